@@ -1,0 +1,147 @@
+"""Generate the embedded arithmetic task `data/arith/` and its character-level tokenizer.
+
+    python data/make_arith.py            # rewrites data/arith/*.jsonl and data/arith/tokenizer/
+
+The task is column arithmetic on 1- to 3-digit integers: `347+589=` -> `936`, `503-47=` -> `456`
+(subtraction always has the larger operand first, so answers are never negative). The SFT
+completion is a short worked trace, one column at a time from the units, followed by the answer:
+
+    <think>7+9=16,4+8+1=13,3+5+1=9</think><answer>936</answer>
+    <think>13-7=6,10-4-1=5,5-1=4</think><answer>456</answer>
+
+Addition columns read `x+y[+1]=s` (`+1` is the carry in). Subtraction columns read `[1]x-y[-1]=d`:
+a leading `1` on the top digit is a borrow from the next column, `-1` the borrow paid back. The
+answer is the last digit of every column, read from the top column down, with leading zeros
+dropped. A small transformer learns the format in a few hundred SFT steps but keeps making carry
+and borrow mistakes, which is what leaves room for RL.
+
+Files (JSON lines, DESIGN.md): `train.jsonl`/`test.jsonl` (`prompt`, `answer`), `sft.jsonl`
+(`prompt`, `completion`, `answer`) over the train prompts, `prefs.jsonl` (`prompt`, `chosen`,
+`rejected`, `answer`): the rejected trace makes one plausible slip (a dropped carry or borrow, or
+an off-by-one column) and so ends at a wrong answer. Output is byte-identical for a given seed.
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+THINK, END_THINK, ANSWER, END_ANSWER = "<think>", "</think>", "<answer>", "</answer>"
+EOS, PAD, UNK = "<|endoftext|>", "<|pad|>", "<|unk|>"
+# Every printable ASCII character and newline, so any English prompt can be tokenised.
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+def sample_problem(rng: random.Random, max_digits: int) -> tuple[int, str, int]:
+    """Draw operands whose digit counts are uniform in 1..max_digits; `a >= b` for subtraction."""
+    a, b = (rng.randint(0 if d == 1 else 10 ** (d - 1), 10**d - 1)
+            for d in (rng.randint(1, max_digits), rng.randint(1, max_digits)))
+    op = rng.choice("+-")
+    if op == "-" and a < b:
+        a, b = b, a
+    return a, op, b
+
+
+def column_trace(a: int, op: str, b: int, slip: int | None = None) -> tuple[list[str], str]:
+    """Worked trace of `a op b` column by column and the answer it implies.
+
+    `slip` injects one plausible mistake at that column (rejected preference completions): the
+    carry or borrow out of it is dropped, or, where there is none, its result is off by one.
+    """
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    steps, digits, carry = [], [], 0
+    for i in range(max(len(xs), len(ys))):
+        x = int(xs[i]) if i < len(xs) else 0
+        y = int(ys[i]) if i < len(ys) else 0
+        if op == "+":
+            s = x + y + carry
+            if i == slip and s < 10:
+                s += 1
+            steps.append(f"{x}+{y}{'+1' if carry else ''}={s}")
+            digits.append(s % 10)
+            carry = int(s >= 10) if i != slip else 0
+        else:
+            d = x - y - carry
+            borrow = int(d < 0)
+            if i == slip and not borrow:
+                d = max(d - 1, 0) if d > 0 else d + 1
+            steps.append(f"{'1' if borrow else ''}{x}-{y}{'-1' if carry else ''}={d + 10 * borrow}")
+            digits.append(d + 10 * borrow)
+            carry = borrow if i != slip else 0
+    top = steps and op == "+" and carry
+    answer = (("1" if top else "") + "".join(map(str, digits[::-1]))).lstrip("0") or "0"
+    return steps, answer
+
+
+def completion(steps: list[str], answer: str) -> str:
+    return f"{THINK}{','.join(steps)}{END_THINK}{ANSWER}{answer}{END_ANSWER}"
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one token per character, the four tags as single tokens."""
+    specials = [PAD, EOS, UNK]
+    tags = [THINK, END_THINK, ANSWER, END_ANSWER]
+    vocab = {tok: i for i, tok in enumerate(specials + tags + CHARS)}
+    # A BPE model with no merges splits text into its characters; Fuse joins them back on decode.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    tok.add_tokens(tags)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        padding_side="left", model_max_length=512,
+    )
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def main(out: Path, seed: int, n_train: int, n_test: int, n_prefs: int, max_digits: int) -> None:
+    rng = random.Random(seed)
+    seen, problems = set(), []
+    while len(problems) < n_train + n_test:
+        a, op, b = sample_problem(rng, max_digits)
+        if (a, op, b) not in seen:
+            seen.add((a, op, b))
+            problems.append((a, op, b))
+    test, train = problems[:n_test], problems[n_test:]
+
+    def row(a, op, b):
+        return {"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a - b)}
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "train.jsonl", [row(*p) for p in train])
+    write_jsonl(out / "test.jsonl", [row(*p) for p in test])
+    sft = []
+    for p in train:
+        steps, answer = column_trace(*p)
+        sft.append({**row(*p), "completion": completion(steps, answer)})
+    write_jsonl(out / "sft.jsonl", sft)
+    prefs = []
+    for p in train:
+        if len(prefs) == n_prefs:
+            break
+        good_steps, good = column_trace(*p)
+        bad_steps, bad = column_trace(*p, slip=rng.randrange(len(good_steps)))
+        if bad != good:
+            prefs.append({**row(*p), "chosen": completion(good_steps, good),
+                          "rejected": completion(bad_steps, bad)})
+    write_jsonl(out / "prefs.jsonl", prefs)
+    build_tokenizer().save_pretrained(out / "tokenizer")
+    print(f"wrote {len(train)} train, {len(test)} test, {len(sft)} sft, {len(prefs)} prefs to {out}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "arith")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--n-train", type=int, default=20000)
+    parser.add_argument("--n-test", type=int, default=500)
+    parser.add_argument("--n-prefs", type=int, default=4000)
+    parser.add_argument("--max-digits", type=int, default=3)
+    a = parser.parse_args()
+    main(a.out, a.seed, a.n_train, a.n_test, a.n_prefs, a.max_digits)
