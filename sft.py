@@ -205,6 +205,8 @@ def load_split(dataset: str, split: str):
         if not file.exists():
             have = sorted(f.stem for f in path.glob("*.jsonl"))
             raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
+        if not file.read_text().strip():
+            raise ValueError(f"split '{split}' ({file}) is empty: it needs at least one row")
         return load_dataset("json", data_files={split: str(file)}, split=split)
     if path.is_file():
         return load_dataset("json", data_files=str(path), split="train")

@@ -1,0 +1,76 @@
+"""The embedded task: deterministic generation, correct traces, a tokenizer that round-trips it."""
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "data"))
+import make_arith  # noqa: E402
+
+SPLITS = ("train", "test", "sft", "prefs")
+
+
+def test_generation_reproduces_committed_files(tmp_path):
+    make_arith.main(tmp_path, seed=1234, n_train=20000, n_test=500, n_prefs=4000, max_digits=3)
+    for split in SPLITS:
+        assert (tmp_path / f"{split}.jsonl").read_bytes() == (ROOT / "data/arith" / f"{split}.jsonl").read_bytes()
+    assert json.loads((tmp_path / "tokenizer/tokenizer.json").read_text())["model"]["vocab"] == \
+        json.loads((ROOT / "data/arith/tokenizer/tokenizer.json").read_text())["model"]["vocab"]
+
+
+def test_seed_decides_the_data(tmp_path):
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        make_arith.main(tmp_path / name, seed=seed, n_train=50, n_test=10, n_prefs=10, max_digits=3)
+    read = lambda name: (tmp_path / name / "sft.jsonl").read_text().splitlines()  # noqa: E731
+    assert read("a") == read("b")
+    assert sum(x != y for x, y in zip(read("a"), read("c"))) > 40
+
+
+@pytest.mark.parametrize("a,op,b,steps,answer", [
+    (347, "+", 589, ["7+9=16", "4+8+1=13", "3+5+1=9"], "936"),
+    (999, "+", 1, ["9+1=10", "9+0+1=10", "9+0+1=10"], "1000"),
+    (503, "-", 47, ["13-7=6", "10-4-1=5", "5-0-1=4"], "456"),
+    (500, "-", 499, ["10-9=1", "10-9-1=0", "5-4-1=0"], "1"),
+    (7, "-", 7, ["7-7=0"], "0"),
+])
+def test_column_trace_hand_examples(a, op, b, steps, answer):
+    assert make_arith.column_trace(a, op, b) == (steps, answer)
+
+
+def test_traces_and_slips_against_python_arithmetic():
+    rng = random.Random(0)
+    for _ in range(2000):
+        a, op, b = make_arith.sample_problem(rng, 3)
+        truth = a + b if op == "+" else a - b
+        steps, answer = make_arith.column_trace(a, op, b)
+        assert int(answer) == truth and truth >= 0
+        slipped = {make_arith.column_trace(a, op, b, slip=i)[1] for i in range(len(steps))}
+        assert any(s != answer for s in slipped)
+
+
+def test_files_are_consistent():
+    rows = {s: [json.loads(line) for line in (ROOT / f"data/arith/{s}.jsonl").open()] for s in SPLITS}
+    assert len(rows["train"]) == len(rows["sft"]) == 20000 and len(rows["test"]) == 500
+    assert not {r["prompt"] for r in rows["train"]} & {r["prompt"] for r in rows["test"]}
+    for r in rows["sft"]:
+        assert r["completion"].endswith(f"<answer>{r['answer']}</answer>")
+    for r in rows["prefs"]:
+        assert r["chosen"].endswith(f"<answer>{r['answer']}</answer>")
+        assert not r["rejected"].endswith(f"<answer>{r['answer']}</answer>")
+
+
+def test_tokenizer_round_trips_every_character():
+    tok = AutoTokenizer.from_pretrained(ROOT / "data/arith/tokenizer")
+    assert tok.pad_token_id is not None and tok.eos_token_id is not None and tok.padding_side == "left"
+    texts = [r["prompt"] + r["completion"] for r in map(json.loads, (ROOT / "data/arith/sft.jsonl").open())]
+    texts += [r["rejected"] for r in map(json.loads, (ROOT / "data/arith/prefs.jsonl").open())]
+    texts.append("".join(make_arith.CHARS))
+    encoded = tok(texts, add_special_tokens=False)["input_ids"]
+    assert all(tok.unk_token_id not in ids for ids in encoded)
+    assert tok.batch_decode(encoded) == texts
+    # The four tags are single tokens: 6 characters + 4 tags.
+    assert len(tok("<think>1+1=2</think><answer>2</answer>", add_special_tokens=False)["input_ids"]) == 10
