@@ -1,0 +1,162 @@
+"""TRL's GRPOTrainer and grpo.py on identical work, one after the other in this process, on CPU.
+
+    python benchmarks/grpo_vs_trl.py                 # 10 steps each
+    python benchmarks/grpo_vs_trl.py --steps 30 --order grpo-first
+
+Identical work: models/tiny-arith, prompts of data/arith train, rewards.DEFAULT_SPEC (one function for
+both), G = 8, 64 completions per step (8 prompts), at most 40 new tokens, temperature 1 (no top-k /
+top-p), beta 0.04 with the k3 KL to a frozen reference, one update per batch, loss type `dapo`
+(TRL's default), group-scaled advantages, clip 0.2, AdamW(0.9, 0.99) at a constant learning rate
+without warmup, gradient clipping at 1, dropout off, float32, the same number of threads.
+
+"s/step" is the median over steps of the wall time of one training step (sampling, scoring,
+log-probs, backward, optimiser), taken by a TrainerCallback for TRL and from grpo.py's own
+`perf/step_s` (which excludes evaluation and checkpoints). "speed-up" divides TRL's median by
+each row's. Final accuracy is greedy decoding on the first --eval-limit test prompts, measured by
+the same function (grpo.greedy_accuracy) for both trained models. The two runs sample different
+completions (different RNG streams and prompt orders), so accuracies after a few steps differ by
+noise; the per-step time is the comparison that the number of steps does not change.
+"""
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import grpo  # noqa: E402
+from rewards import DEFAULT_SPEC, make_reward  # noqa: E402
+
+
+@dataclass
+class Args:
+    steps: int = 10
+    """training steps for each trainer"""
+    learning_rate: float = 1e-4
+    """constant learning rate for both (grpo.py's default)"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """token aggregation for both (TRL's default is dapo)"""
+    eval_limit: int = 500
+    """test prompts for the final greedy accuracy"""
+    threads: int = 2
+    """torch threads for both runs"""
+    order: Literal["trl-first", "grpo-first"] = "trl-first"
+    """which trainer runs first"""
+    seed: int = 1
+    """seed of both runs"""
+    model: str = str(ROOT / "models/tiny-arith")
+    """the policy both trainers start from"""
+    dataset: str = str(ROOT / "data/arith")
+    """folder with train.jsonl and test.jsonl"""
+
+
+G, COMPLETIONS_PER_STEP, MAX_NEW_TOKENS, BETA = 8, 64, 40, 0.04
+
+
+def run_trl(args: Args, out_dir: str) -> tuple[list[float], torch.nn.Module]:
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    reward = make_reward(DEFAULT_SPEC)
+
+    def arith_reward(completions, prompts, answer, **_):
+        return reward(completions, prompts=prompts, answer=answer)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.perf_counter() - self.t0)
+
+    config = GRPOConfig(
+        output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=COMPLETIONS_PER_STEP,
+        gradient_accumulation_steps=1, num_generations=G, max_completion_length=MAX_NEW_TOKENS, temperature=1.0,
+        top_p=1.0, top_k=0, beta=BETA, num_iterations=1, epsilon=0.2, loss_type=args.loss_type, scale_rewards="group",
+        learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9,
+        adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False, report_to="none",
+        save_strategy="no", logging_steps=1, seed=args.seed, disable_dropout=True, dataloader_num_workers=0,
+        log_completions=False)
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), reward_funcs=[arith_reward],
+        args=config, train_dataset=load_dataset("json", data_files=str(Path(args.dataset) / "train.jsonl"), split="train"),
+        processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[timer])
+    trainer.train()
+    return timer.times, trainer.model
+
+
+def run_grpo(args: Args, out_dir: str) -> tuple[list[dict], torch.nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    out = grpo.main(grpo.Args(
+        model_name_or_path=args.model, dataset=args.dataset, output_dir=out_dir, seed=args.seed, eval_split=None,
+        total_steps=args.steps, num_generations=G, prompts_per_step=COMPLETIONS_PER_STEP // G,
+        micro_batch_size=COMPLETIONS_PER_STEP, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, beta=BETA,
+        kl_estimator="k3", num_iterations=1, loss_type=args.loss_type, scale_rewards="group",
+        learning_rate=args.learning_rate, lr_schedule="constant", warmup_steps=0, max_grad_norm=1.0, log_every=1,
+        save_every=0))
+    rows = [json.loads(line) for line in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "perf/step_s" in r], AutoModelForCausalLM.from_pretrained(Path(out["run_dir"]) / "final")
+
+
+def main(args: Args) -> list[dict]:
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    test = load_dataset("json", data_files=str(Path(args.dataset) / "test.jsonl"), split="train")
+    prompts, answers = list(test["prompt"][: args.eval_limit]), list(test["answer"][: args.eval_limit])
+
+    def accuracy(model) -> float:
+        return grpo.greedy_accuracy(model.float().cpu(), tokenizer, prompts, answers, MAX_NEW_TOKENS, "cpu",
+                                    [tokenizer.eos_token_id])[0]
+
+    start = accuracy(AutoModelForCausalLM.from_pretrained(args.model))
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in (("trl", "grpo") if args.order == "trl-first" else ("grpo", "trl")):
+            torch.manual_seed(args.seed)
+            if name == "trl":
+                times, model = run_trl(args, os.path.join(tmp, "trl"))
+                results["TRL GRPOTrainer"] = {"s/step": statistics.median(times), "acc": accuracy(model)}
+            else:
+                rows, model = run_grpo(args, os.path.join(tmp, "grpo"))
+                results["grpo.py"] = {"s/step": statistics.median(r["perf/step_s"] for r in rows),
+                                      **{k: statistics.median(r[f"perf/{k}_s"] for r in rows)
+                                         for k in ("generate", "score", "train")},
+                                      "acc": accuracy(model)}
+    import trl
+    import transformers
+
+    print(f"\nGRPO on CPU ({args.threads} threads, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"trl {trl.__version__}): {args.steps} steps, G={G}, {COMPLETIONS_PER_STEP} completions/step, "
+          f"{MAX_NEW_TOKENS} new tokens, beta={BETA}, loss {args.loss_type}, lr {args.learning_rate} constant")
+    print(f"greedy accuracy before training: {start:.3f} ({len(prompts)} test prompts)\n")
+    print("| trainer | median s/step | generate s | score s | logp+backward+step s | speed-up vs TRL | final accuracy |")
+    print("|---|---|---|---|---|---|---|")
+    base = results["TRL GRPOTrainer"]["s/step"]
+    rows = []
+    for name, r in results.items():
+        phases = [f"{r[k]:.3f}" if k in r else "-" for k in ("generate", "score", "train")]
+        print(f"| {name} | {r['s/step']:.3f} | {' | '.join(phases)} | {base / r['s/step']:.2f}x | {r['acc']:.3f} |")
+        rows.append({"trainer": name, **r, "speedup": base / r["s/step"]})
+    return rows
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
