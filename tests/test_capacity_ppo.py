@@ -196,11 +196,13 @@ def test_budget_terminates_and_step_limit_truncates():
 
 def test_short_run_beats_the_best_fixed_capacity(tmp_path):
     args = cp.Args(output_dir=str(tmp_path), total_steps=40_960, eval_every=0, num_eval_envs=512)
+    torch.manual_seed(args.seed)  # the untrained agent must not depend on what ran before in this process
     before, _ = cp.evaluate(args, cp.Agent(args.workspace_dim + 7, 4), "cpu")
     metrics = cp.main(args)
     # adaptation matters in this environment: the oracle beats every fixed capacity by >= 15% of its lead on random
     assert metrics["eval/oracle_advantage"] >= 0.15
-    assert before["eval/return"] < metrics["eval/best_fixed_return"]  # an untrained agent does not
+    # an untrained agent does not: its near-uniform logits make greedy pick one capacity throughout
+    assert before["eval/return"] <= metrics["eval/best_fixed_return"]
     assert metrics["eval/return"] > metrics["eval/best_fixed_return"]
     assert metrics["eval/gap_closed"] > 0.3
 
