@@ -7,12 +7,14 @@ Identical work: models/tiny-arith, prompts of data/arith train, rewards.DEFAULT_
 both), G = 8, 64 completions per step (8 prompts), at most 40 new tokens, temperature 1 (no top-k /
 top-p), beta 0.04 with the k3 KL to a frozen reference, one update per batch, loss type `dapo`
 (TRL's default), group-scaled advantages, clip 0.2, AdamW(0.9, 0.99) at a constant learning rate
-without warmup, gradient clipping at 1, dropout off, float32, the same number of threads.
+without warmup, gradient clipping at 1, dropout off, float32, the same number of threads. TRL runs
+twice: with gradient checkpointing (its GRPOConfig default, which recomputes the forward pass in the
+backward) and without (the same work as grpo.py, which does not checkpoint by default).
 
 "s/step" is the median over steps of the wall time of one training step (sampling, scoring,
 log-probs, backward, optimiser), taken by a TrainerCallback for TRL and from grpo.py's own
-`perf/step_s` (which excludes evaluation and checkpoints). "speed-up" divides TRL's median by
-each row's. Final accuracy is greedy decoding on the first --eval-limit test prompts, measured by
+`perf/step_s` (which excludes evaluation and checkpoints). "speed-up" divides the median of TRL
+with its defaults by each row's. Final accuracy is greedy decoding on the first --eval-limit test prompts, measured by
 the same function (grpo.greedy_accuracy) for both trained models. The two runs sample different
 completions (different RNG streams and prompt orders), so accuracies after a few steps differ by
 noise; the per-step time is the comparison that the number of steps does not change.
@@ -53,6 +55,8 @@ class Args:
     """which trainer runs first"""
     seed: int = 1
     """seed of both runs"""
+    grpo_micro_batch_size: int = 32
+    """grpo.py's completions per forward/backward (sorted by length, so less padding than one batch of 64)"""
     model: str = str(ROOT / "models/tiny-arith")
     """the policy both trainers start from"""
     dataset: str = str(ROOT / "data/arith")
@@ -60,9 +64,10 @@ class Args:
 
 
 G, COMPLETIONS_PER_STEP, MAX_NEW_TOKENS, BETA = 8, 64, 40, 0.04
+TRL_DEFAULT = "TRL GRPOTrainer (its default: gradient checkpointing)"
 
 
-def run_trl(args: Args, out_dir: str) -> tuple[list[float], torch.nn.Module]:
+def run_trl(args: Args, out_dir: str, gradient_checkpointing: bool) -> tuple[list[float], torch.nn.Module]:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -89,7 +94,7 @@ def run_trl(args: Args, out_dir: str) -> tuple[list[float], torch.nn.Module]:
         learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9,
         adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False, report_to="none",
         save_strategy="no", logging_steps=1, seed=args.seed, disable_dropout=True, dataloader_num_workers=0,
-        log_completions=False)
+        log_completions=False, gradient_checkpointing=gradient_checkpointing)
     timer = StepTimer()
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), reward_funcs=[arith_reward],
@@ -105,7 +110,7 @@ def run_grpo(args: Args, out_dir: str) -> tuple[list[dict], torch.nn.Module]:
     out = grpo.main(grpo.Args(
         model_name_or_path=args.model, dataset=args.dataset, output_dir=out_dir, seed=args.seed, eval_split=None,
         total_steps=args.steps, num_generations=G, prompts_per_step=COMPLETIONS_PER_STEP // G,
-        micro_batch_size=COMPLETIONS_PER_STEP, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, beta=BETA,
+        micro_batch_size=args.grpo_micro_batch_size, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, beta=BETA,
         kl_estimator="k3", num_iterations=1, loss_type=args.loss_type, scale_rewards="group",
         learning_rate=args.learning_rate, lr_schedule="constant", warmup_steps=0, max_grad_norm=1.0, log_every=1,
         save_every=0))
@@ -129,11 +134,12 @@ def main(args: Args) -> list[dict]:
     start = accuracy(AutoModelForCausalLM.from_pretrained(args.model))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in (("trl", "grpo") if args.order == "trl-first" else ("grpo", "trl")):
+        trl_runs = {TRL_DEFAULT: True, "TRL GRPOTrainer (no checkpointing)": False}
+        for name in ((*trl_runs, "grpo.py") if args.order == "trl-first" else ("grpo.py", *trl_runs)):
             torch.manual_seed(args.seed)
-            if name == "trl":
-                times, model = run_trl(args, os.path.join(tmp, "trl"))
-                results["TRL GRPOTrainer"] = {"s/step": statistics.median(times), "acc": accuracy(model)}
+            if name in trl_runs:
+                times, model = run_trl(args, os.path.join(tmp, name[-4:]), gradient_checkpointing=trl_runs[name])
+                results[name] = {"s/step": statistics.median(times), "acc": accuracy(model)}
             else:
                 rows, model = run_grpo(args, os.path.join(tmp, "grpo"))
                 results["grpo.py"] = {"s/step": statistics.median(r["perf/step_s"] for r in rows),
@@ -147,9 +153,10 @@ def main(args: Args) -> list[dict]:
           f"trl {trl.__version__}): {args.steps} steps, G={G}, {COMPLETIONS_PER_STEP} completions/step, "
           f"{MAX_NEW_TOKENS} new tokens, beta={BETA}, loss {args.loss_type}, lr {args.learning_rate} constant")
     print(f"greedy accuracy before training: {start:.3f} ({len(prompts)} test prompts)\n")
-    print("| trainer | median s/step | generate s | score s | logp+backward+step s | speed-up vs TRL | final accuracy |")
+    print("| trainer | median s/step | generate s | score s | logp+backward+step s | speed-up vs TRL default | "
+          "final accuracy |")
     print("|---|---|---|---|---|---|---|")
-    base = results["TRL GRPOTrainer"]["s/step"]
+    base = results[TRL_DEFAULT]["s/step"]
     rows = []
     for name, r in results.items():
         phases = [f"{r[k]:.3f}" if k in r else "-" for k in ("generate", "score", "train")]
