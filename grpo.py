@@ -159,7 +159,7 @@ class Args:
     # --- optimisation
     learning_rate: float = 1e-4
     """peak learning rate of AdamW"""
-    total_steps: int = 400
+    total_steps: int = 500
     """training steps (batches of completions)"""
     micro_batch_size: int = 128
     """completions per forward/backward pass, grouped by length so each is padded to its own longest;
@@ -665,7 +665,7 @@ def main(args: Args) -> dict:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                   config=vars(args), resume="allow")
+                   config=vars(args), dir=str(run_dir), resume="allow")
 
     def log(metrics: dict) -> None:
         if rank != 0:

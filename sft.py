@@ -405,7 +405,7 @@ def main(args: Args) -> dict:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                   config=vars(args), resume="allow")
+                   config=vars(args), dir=str(run_dir), resume="allow")
 
     def log(metrics: dict) -> None:
         if rank != 0:

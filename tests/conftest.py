@@ -1,4 +1,4 @@
-"""Shared test setup: offline, deterministic, and importable scripts from the repo root."""
+"""Shared test setup: offline, deterministic, importable scripts from the repo root, and the tiny task."""
 import os
 import sys
 from pathlib import Path
@@ -29,3 +29,30 @@ try:
             os.environ["TRITON_INTERPRET"] = _saved
 except ImportError:
     pass
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random 2-layer, 32-wide Qwen2 with the task's tokenizer, and a small copy of the task.
+
+    The random model never answers correctly, so RL tests on it use the `capitalization` reward,
+    which varies inside a group of random strings and so gives non-zero advantages.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    sys.path.insert(0, str(ROOT / "data"))
+    import make_arith
+
+    root = tmp_path_factory.mktemp("tiny")
+    tok = AutoTokenizer.from_pretrained(ROOT / "data/arith/tokenizer")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    make_arith.main(root / "data", seed=3, n_train=96, n_test=8, n_prefs=4, max_digits=2)
+    return root

@@ -12,28 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import sft
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "data"))
 import make_arith  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A 2-layer, 32-wide model with the task's tokenizer, and a small copy of the task."""
-    root = tmp_path_factory.mktemp("sft")
-    tok = AutoTokenizer.from_pretrained(ROOT / "data/arith/tokenizer")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    make_arith.main(root / "data", seed=3, n_train=96, n_test=8, n_prefs=4, max_digits=2)
-    return root
 
 
 def tiny_args(tiny, tmp_path, **kw) -> sft.Args:
