@@ -34,6 +34,25 @@ except ImportError:
 import pytest  # noqa: E402
 
 
+def interrupt_at_step_2(cmd: list[str]) -> tuple[int, str]:
+    """Run a training script, send SIGINT once it logs step 2 (like Ctrl-C), and return its exit code and
+    the output after that line."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in proc.stdout:  # wait until training is under way
+            if line.startswith("step=2 "):
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, rest
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A random 2-layer, 32-wide Qwen2 with the task's tokenizer, and a small copy of the task.

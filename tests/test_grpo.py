@@ -3,7 +3,6 @@ log-probs against `generate`'s own logits, dynamic sampling, runs, resume, learn
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import interrupt_at_step_2
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config
 
@@ -265,25 +265,21 @@ def test_resume_equals_straight_run(tiny, tmp_path):
     assert [r["step"] for r in train_rows(resumed["run_dir"])] == [1, 2, 3, 4]
 
 
-def test_sigint_saves_a_checkpoint(tiny, tmp_path):
+def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
     cmd = [sys.executable, str(ROOT / "grpo.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
            str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--num-generations", "2",
            "--prompts-per-step", "2", "--micro-batch-size", "4", "--max-completion-length", "4", "--eval-split", "None"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        for line in proc.stdout:  # wait until training is under way
-            if line.startswith("step=2 "):
-                break
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, rest
+    returncode, rest = interrupt_at_step_2(cmd)
+    assert returncode == 0, rest
     assert "interrupted: saved" in rest
     (run,) = tmp_path.iterdir()
     (ckpt,) = (run / "checkpoints").iterdir()
     assert (ckpt / "trainer_state.pt").exists() and (run / "curves.png").exists()
+    step = int(ckpt.name.split("_")[1])
+    out = grpo.main(grpo.Args(model_name_or_path=str(tiny / "model"), dataset=str(tiny / "data"),
+                              output_dir=str(tmp_path), total_steps=step + 1, num_generations=2, prompts_per_step=2,
+                              micro_batch_size=4, max_completion_length=4, eval_split=None, resume=str(ckpt)))
+    assert out["run_dir"] == str(run) and [r["step"] for r in train_rows(run)][-1] == step + 1
 
 
 def test_torchrun_two_processes_and_resume(tiny, tmp_path):

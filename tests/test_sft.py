@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import interrupt_at_step_2
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -127,17 +127,8 @@ def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
     cmd = [sys.executable, str(ROOT / "sft.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
            str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--batch-size", "8",
            "--log-every", "1", "--eval-split", "None"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        for line in proc.stdout:  # wait until training is under way
-            if line.startswith("step=2 "):
-                break
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, rest
+    returncode, rest = interrupt_at_step_2(cmd)
+    assert returncode == 0, rest
     ckpts = list(tmp_path.glob("*/checkpoints/step_*"))
     assert len(ckpts) == 1 and "--resume" in rest
     assert {"model.safetensors", "trainer_state.pt", "config.json", "tokenizer.json"} <= {p.name for p in ckpts[0].iterdir()}
