@@ -475,6 +475,7 @@ def main(args: Args) -> dict:
                 loss_total += nll.item()
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.max_grad_norm)
             optimizer.step()
+            lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             tokens_since_log += sum(len(ids) for ids, _ in batch)
@@ -486,7 +487,7 @@ def main(args: Args) -> dict:
                     loss_total = t.item()
                 elapsed = time.time() - t_log
                 final = {"step": step, "train/loss": loss_total / n_tokens, "train/grad_norm": float(grad_norm),
-                         "train/lr": scheduler.get_last_lr()[0], "perf/step_s": elapsed / (step - last_log_step),
+                         "train/lr": lr, "perf/step_s": elapsed / (step - last_log_step),
                          "perf/tokens_per_s": tokens_since_log / max(elapsed, 1e-9)}
                 log(final)
                 t_log, tokens_since_log, last_log_step = time.time(), 0, step

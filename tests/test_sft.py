@@ -79,11 +79,13 @@ def test_answer_matches(text, answer, ok):
 
 
 def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
-    out = sft.main(tiny_args(tiny, tmp_path, packing=True, gradient_accumulation_steps=2, save_every=2))
+    out = sft.main(tiny_args(tiny, tmp_path, packing=True, gradient_accumulation_steps=2, save_every=2, warmup_steps=2))
     run = Path(out["run_dir"])
     assert json.loads((run / "args.json").read_text())["total_steps"] == 3
     rows = read_metrics(run)
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
+    # the logged rate is the one each step's update used: warmup 1/2, 2/2, then constant
+    assert [r["train/lr"] for r in rows if "train/loss" in r] == pytest.approx([1e-3 / 2, 1e-3, 1e-3])
     assert {r["step"] for r in rows if "eval/accuracy" in r} == {0, 3}
     assert all(math.isfinite(r["train/loss"]) and r["perf/tokens_per_s"] > 0 for r in rows if "train/loss" in r)
     assert (run / "curves.png").stat().st_size > 1000
