@@ -379,3 +379,17 @@ def test_lora_without_peft_names_the_fix(tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
     with pytest.raises(ValueError, match="pip install peft"):
         grpo.main(tiny_args(tiny, tmp_path, lora_r=8))
+
+
+def test_step_profile_benchmark_runs():
+    """benchmarks/grpo_step_profile.py end to end with few repeats (timings meaningless here): its
+    tables come out, and the FLOP counts have the shape of the algorithm: the policy's forward +
+    backward is about 3 forward passes, the reference's forward 1."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grpo_step_profile.py"), "--steps", "3",
+                           "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in done.stdout.splitlines() if line.startswith("| "))}
+    assert {"generate", "score", "train", "step", "`generate`, wall", "matmul (mm, addmm)"} <= set(rows)
+    policy, reference = float(rows["policy forward + backward"][1]), float(rows["reference forward"][1])
+    assert reference > 0 and 2.5 < policy / reference < 3.5
