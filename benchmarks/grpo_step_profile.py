@@ -1,7 +1,8 @@
 """Where grpo.py's step goes on CPU, on the work of benchmarks/grpo_vs_trl.py (models/tiny-arith,
 64 completions = 8 prompts x G=8, 40 new tokens, beta 0.04, micro-batches of 32).
 
-    python benchmarks/grpo_step_profile.py              # about 1 minute on 2 cores
+    python benchmarks/grpo_step_profile.py              # about 20 s on 2 cores
+    python benchmarks/grpo_step_profile.py --compile    # + the policy's pass under torch.compile (~1 min)
 
 Three tables:
 1. grpo.py's own per-phase medians (`perf/*_s`) over --steps steps.
@@ -44,6 +45,9 @@ class Args:
     """timed calls per measurement in tables 2 and 3"""
     threads: int = 2
     """torch threads"""
+    compile: bool = False
+    """also time the policy's forward + backward with the decoder under torch.compile (inductor, dynamic
+    shapes; needs a C++ compiler; the compile itself takes tens of seconds and is reported apart)"""
     model: str = str(ROOT / "models/tiny-arith")
     dataset: str = str(ROOT / "data/arith")
 
@@ -118,7 +122,7 @@ def main(args: Args) -> None:
         sample()
     self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
     total_us = sum(self_us.values())
-    groups = {"matmul (mm, addmm)": ("aten::mm", "aten::addmm"), "attention (sdpa)": None, "KV cache + concat (cat)": ("aten::cat",),
+    groups = {"matmul (mm, addmm)": ("aten::mm", "aten::addmm"), "attention (sdpa)": None, "concatenation (cat: KV cache, RoPE)": ("aten::cat",),
               "sampling (multinomial, exponential_)": ("aten::multinomial", "aten::exponential_")}
     shares = {}
     for name, keys in groups.items():
@@ -155,6 +159,14 @@ def main(args: Args) -> None:
         with counter:
             fn()
         train[name] = (median_s(fn, args.repeats), counter.get_total_flops())
+    compile_s = None
+    if args.compile:
+        model.get_decoder().compile(dynamic=True)
+        t0 = time.perf_counter()
+        policy_fwd_bwd()
+        compile_s = time.perf_counter() - t0
+        train["policy forward + backward, torch.compile"] = (median_s(policy_fwd_bwd, args.repeats),
+                                                             train["policy forward + backward"][1])
     big = torch.randn(2048, 2048)
     peak = 2 * 2048 ** 3 / median_s(lambda: big @ big, 5)
 
@@ -173,6 +185,8 @@ def main(args: Args) -> None:
     for name, (s, flops) in train.items():
         print(f"| {name} | {s:.3f} | {flops / 1e9:.2f} | {flops / s / 1e9:.0f} | {flops / s / peak:.0%} |")
     print(f"| 2048^3 float32 matmul | | | {peak / 1e9:.0f} | 100% |")
+    if compile_s is not None:
+        print(f"\n(torch.compile: the first call, which compiles, took {compile_s:.1f} s)")
 
 
 if __name__ == "__main__":
