@@ -165,7 +165,8 @@ class Args:
     """completions per forward/backward pass, grouped by length so each is padded to its own longest;
     gradient accumulation covers the rest of the batch"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """decay to 0 after warmup (cosine: the late policy moves less between evaluations, and ends higher)"""
+    """after warmup: cosine or linear decay to 0 at the last step, or constant (the default cosine keeps the
+    late policy from drifting between evaluations; README)"""
     warmup_steps: int = 30
     """linear warmup steps"""
     weight_decay: float = 0.0
