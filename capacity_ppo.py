@@ -21,8 +21,8 @@ Run
     python capacity_ppo.py --resume runs/<run>/checkpoints/step_N   # continue a checkpoint
 Output: runs/{run_name}/ with args.json, metrics.jsonl, curves.png, checkpoints/step_N/ and a
 table of evaluation returns (learned greedy policy, oracle, each fixed capacity, random).
-Expected (seeds 1, 2, 3): greedy return 35.20 / 35.05 / 35.16 against oracle 35.73 and best fixed
-28.08, i.e. 0.93 / 0.91 / 0.93 of the best-fixed -> oracle gap closed, in under a minute each.
+Expected (seeds 1, 2, 3): greedy return 35.15 / 35.27 / 35.21 against oracle 35.73 and best fixed
+28.08, i.e. 0.93 / 0.94 / 0.93 of the best-fixed -> oracle gap closed, about a minute each on one core.
 
 The environment (`CapacityEnv`, vectorised over --num-envs with torch tensors)
 - Difficulty d in [0, 1]. Each environment is in one of the --regime-means regimes (by default
@@ -34,7 +34,7 @@ The environment (`CapacityEnv`, vectorised over --num-envs with torch tensors)
   p(n, d) = chance + (1 - chance) * sigmoid((n - n_req(d)) / --accuracy-temperature).
   The observed accuracy is the fraction right out of --items-per-step Bernoulli(p) items.
 - Energy: a step at capacity n uses n slot-steps from the episode's --energy-budget.
-- Reward (the seed's terms, every weight a flag):
+- Reward (the specification's terms except the energy term, see "Departures"; every weight a flag):
   r = accuracy_weight * acc - energy_cost * n - switch_penalty * [n != n_prev]
       + escalation_bonus * [n > n_prev and acc < escalation_threshold]
       + efficiency_bonus * [n < n_prev and acc > efficiency_threshold].
@@ -53,7 +53,47 @@ The environment (`CapacityEnv`, vectorised over --num-envs with torch tensors)
 The agent: shared trunk Linear(obs, 256)-LayerNorm-ReLU x 2, actor and critic heads
 Linear(256, 128)-ReLU-Linear(128, out), orthogonal init with gain sqrt(2).
 
-Deviations and choices
+Departures from the specification (each with its reason and, where measured, its effect; seed 1,
+300k steps, share of the best-fixed -> oracle gap closed at the end; default 0.925)
+- Energy term: -energy_cost * n (0.05 per slot-step), not the specification's -0.1 * energy_used / n^2.
+  Dividing by n^2 makes a larger capacity *cheaper*, so the term cannot express an energy cost:
+  with it (--energy-term spec, energy_used = slot-steps spent so far in the episode) the fixed
+  n = 12 policy returns 41.1 and fixed n = 4 -17.8 (random 4.5) on the evaluation episodes, i.e.
+  always taking the largest capacity wins and there is nothing to adapt. (The oracle and the
+  gap-closed metric assume the linear term.)
+- Learning rate 2.5e-4 annealed linearly to 0 (CleanRL's default), not 3e-4 constant: with
+  --learning-rate 3e-4 --no-anneal-lr the gap closed is 0.767 / 0.901 / 0.909 at 100k / 200k /
+  300k steps against 0.836 / 0.937 / 0.925.
+- Rollout 64 environments x 64 steps, 4 minibatches of 1024, not 1 environment x 2048 steps with
+  minibatches of 32: vectorised environments give 10x the steps per second and large minibatches
+  fewer optimizer steps. With --num-envs 1 --num-steps 2048 --num-minibatches 64 the gap closed is
+  0.199 / 0.319 / 0.608 at 100k / 200k / 300k steps, and the run took 693 s against 328 s (both
+  timed while the machine was shared).
+- Value loss 0.5 * mean_i max(unclipped_i, clipped_i) (the element-wise max, as in baselines'
+  ppo2), not the specification's vf * max(mean(unclipped), mean(clipped)): the max of the two means
+  is a bug there, since it does not clip per sample (a sample whose clipped error is smaller is
+  still pulled past the clip whenever the other samples make the clipped mean the larger one).
+  tests/test_capacity_ppo.py has a case where the two differ. Not measured as a training run.
+- Value clipping is off by default (--clip-vloss turns it on): the clip (+-clip_coef = 0.2 around
+  the rollout's V) works in raw return units while returns are ~20, so the critic lagged the whole
+  run. Measured (mean V vs mean GAE return at iteration 10; explained variance at the end; gap
+  closed at 100k / 200k / 300k):
+      seed 1  clip on:  V 4.0 vs 6.1,  EV 0.905, gap 0.922 / 0.932 / 0.931
+              clip off: V 14.7 vs 16.1, EV 0.946, gap 0.836 / 0.937 / 0.925
+      seed 2  clip on:  V 3.5 vs 5.5,  EV 0.868, gap 0.880 / 0.897 / 0.911
+              clip off: V 14.3 vs 15.5, EV 0.923, gap 0.800 / 0.925 / 0.941
+      seed 3  clip on:  V 3.7 vs 5.7,  EV 0.895, gap 0.838 / 0.907 / 0.926
+              clip off: V 14.3 vs 15.6, EV 0.944, gap 0.808 / 0.927 / 0.933
+  The critic tracks the returns without the clip; the policy's final gap closed is within
+  +-0.02 either way (early on, at 100k steps, the clipped run was ahead on all three seeds).
+- An episode starts with the smallest capacity as "previous" (so the first step may pay the
+  switch penalty and earn the escalation bonus), not with the first action as previous. Not
+  measured; it changes at most one step per episode, by at most 0.05 + 0.2 against returns of ~35.
+- Feature scalings: previous capacity index / (K - 1) and steps at that capacity min(steps, 10) / 10,
+  so every scalar lies in [0, 1] like the others (the specification feeds the raw index and step
+  count). Not measured.
+
+Other choices
 - GAE lambda defaults to 0.8, not the seed's 0.95: a capacity choice pays off mostly at once, and
   with 0.95 each advantage also carries the noise of ~17 later rewards. Measured (seed 1, share of
   the best-fixed -> oracle gap closed): lambda 0.95: 0.72 after 200k steps, 0.82 after 500k;
@@ -72,9 +112,11 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -142,7 +184,10 @@ class Args:
     accuracy_weight: float = 1.0
     """reward weight of task accuracy"""
     energy_cost: float = 0.05
-    """reward penalty per slot-step of energy"""
+    """reward penalty per slot-step of energy (--energy-term linear)"""
+    energy_term: Literal["linear", "spec"] = "linear"
+    """linear: -energy_cost * n per step; spec: the specification's -0.1 * energy_used / n^2, with
+    energy_used the slot-steps spent so far in the episode (see the module docstring)"""
     switch_penalty: float = 0.05
     """reward penalty for changing capacity"""
     escalation_bonus: float = 0.2
@@ -156,7 +201,8 @@ class Args:
 
     # --- algorithm ---
     total_steps: int = 300_000
-    """total environment steps of training"""
+    """total environment steps of training, rounded down to whole iterations of --num-envs x --num-steps (a notice
+    says so); may change on --resume"""
     num_steps: int = 64
     """steps per environment in each rollout"""
     gamma: float = 0.99
@@ -171,8 +217,9 @@ class Args:
     """normalise advantages per minibatch"""
     clip_coef: float = 0.2
     """surrogate clipping coefficient"""
-    clip_vloss: bool = True
-    """use the clipped value loss"""
+    clip_vloss: bool = False
+    """use the clipped value loss (clips V within +-clip_coef of the rollout's V, in return units;
+    off by default: see the module docstring)"""
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
@@ -202,7 +249,9 @@ class Args:
     save_every: int = 0
     """checkpoint every this many environment steps (0: only at the end)"""
     resume: str | None = None
-    """checkpoint directory (runs/<run>/checkpoints/step_N) to continue from"""
+    """checkpoint directory (runs/<run>/checkpoints/step_N) to continue from, with the run's own arguments; flags
+    given here that differ from their defaults may change the cadence (--total-steps, --eval-every, --save-every,
+    --num-eval-envs, tracking, --device, --torch-threads), any other is refused"""
 
     # --- computed at run time ---
     batch_size: tyro.conf.Suppress[int] = 0
@@ -215,6 +264,7 @@ class Args:
     """capacity__{exp_name}__{seed}__{time}"""
 
 
+SPEC_ENERGY_COEF = 0.1  # the specification's energy term, -0.1 * energy_used / n^2 (--energy-term spec)
 OBS_SCALARS = 7  # difficulty estimate, rolling accuracy, budget, prev capacity, dwell, error rate, time
 DWELL_SCALE = 10.0  # steps at a capacity are reported as min(steps, 10) / 10
 ROLLING_ACC_RATE = 0.2  # EMA rate of the rolling accuracy
@@ -262,13 +312,36 @@ def validate_args(args: Args) -> None:
                 f"--resume {args.resume} is not a checkpoint: expected a folder like runs/<run>/checkpoints/step_N "
                 f"holding trainer_state.pt"
             )
-        saved = json.loads((Path(args.resume) / "args.json").read_text())
-        current = json.loads(json.dumps(asdict(args)))  # tuples become lists, as in the saved file
-        for name in ("capacities", "num_envs", "workspace_dim", "hidden_size", "head_size"):
-            if saved[name] != current[name]:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} is {getattr(args, name)} but the checkpoint was trained with {saved[name]}; "
-                                 f"resume with the checkpoint's {flag}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU on this machine: use --device cpu")
+
+
+# Flags a resumed run may change (a notice is printed); any other flag that differs from the run's own value is
+# refused, since it would change the algorithm or the environment. The run directory is the checkpoint's.
+RESUME_MAY_CHANGE = ("total_steps", "eval_every", "save_every", "num_eval_envs", "track", "wandb_project_name",
+                     "wandb_entity", "device", "torch_threads")
+RESUME_IGNORES = ("exp_name", "output_dir", "run_name", "resume", "batch_size", "minibatch_size", "num_iterations")
+
+
+def resume_args(args: Args) -> tuple[Args, dict]:
+    """--resume: the run's own arguments from the checkpoint, with the flags given on this command line that
+    differ from their defaults applied on top (RESUME_MAY_CHANGE) or refused. -> (args, {flag: [run's, new]})."""
+    saved = json.loads((Path(args.resume) / "args.json").read_text())
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in Args.__dataclass_fields__}
+    defaults, out, changed = Args(), Args(**fields), {}
+    for name in Args.__dataclass_fields__:
+        given = getattr(args, name)
+        if name in RESUME_IGNORES or given == getattr(defaults, name) or given == fields.get(name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name not in RESUME_MAY_CHANGE:
+            raise ValueError(f"{flag} {given} differs from the run's {fields.get(name)!r} ({args.resume}/args.json): "
+                             f"it would change the algorithm or the environment, so it cannot change on resume; drop "
+                             f"the flag, or start a new run")
+        setattr(out, name, given)
+        changed[name] = [fields.get(name), given]
+    out.resume = args.resume
+    return out, changed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,13 +361,19 @@ def task_accuracy(capacity: torch.Tensor, difficulty: torch.Tensor, *, slots_at_
 def reward_terms(accuracy: torch.Tensor, capacity: torch.Tensor, prev_capacity: torch.Tensor, *,
                  accuracy_weight: float, energy_cost: float, switch_penalty: float,
                  escalation_bonus: float, escalation_threshold: float,
-                 efficiency_bonus: float, efficiency_threshold: float) -> dict[str, torch.Tensor]:
-    """Signed reward terms; the reward is their sum. accuracy, capacity, prev_capacity: [N] -> each [N]."""
+                 efficiency_bonus: float, efficiency_threshold: float,
+                 energy_term: str = "linear", energy_used: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Signed reward terms; the reward is their sum. accuracy, capacity, prev_capacity: [N] -> each [N].
+
+    energy_term "linear": -energy_cost * n; "spec": -SPEC_ENERGY_COEF * energy_used / n^2, with
+    energy_used [N] the slot-steps spent in the episode including this step.
+    """
     up = capacity > prev_capacity
     down = capacity < prev_capacity
+    energy = -energy_cost * capacity if energy_term == "linear" else -SPEC_ENERGY_COEF * energy_used / capacity**2
     return {
         "accuracy": accuracy_weight * accuracy,
-        "energy": -energy_cost * capacity,
+        "energy": energy,
         "switch": -switch_penalty * (up | down).float(),
         "escalation": escalation_bonus * (up & (accuracy < escalation_threshold)).float(),
         "efficiency": efficiency_bonus * (down & (accuracy > efficiency_threshold)).float(),
@@ -335,7 +414,8 @@ class CapacityEnv:
         self.reward_kwargs = dict(accuracy_weight=args.accuracy_weight, energy_cost=args.energy_cost,
                                   switch_penalty=args.switch_penalty, escalation_bonus=args.escalation_bonus,
                                   escalation_threshold=args.escalation_threshold,
-                                  efficiency_bonus=args.efficiency_bonus, efficiency_threshold=args.efficiency_threshold)
+                                  efficiency_bonus=args.efficiency_bonus, efficiency_threshold=args.efficiency_threshold,
+                                  energy_term=args.energy_term)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.reset()
 
@@ -398,7 +478,8 @@ class CapacityEnv:
         # 1. solve the task: items_per_step Bernoulli(p(n, d)) items
         p = task_accuracy(capacity, s["difficulty"], **self.accuracy_kwargs)
         accuracy = (self._rand(n, a.items_per_step) < p[:, None]).float().mean(dim=1)
-        terms = reward_terms(accuracy, capacity, prev_capacity, **self.reward_kwargs)
+        energy_used = a.energy_budget - s["budget"] + capacity  # slot-steps spent in the episode, this step included
+        terms = reward_terms(accuracy, capacity, prev_capacity, energy_used=energy_used, **self.reward_kwargs)
         reward = sum(terms.values())
         # 2. bookkeeping: energy, time, dwell, running statistics
         s["budget"] = s["budget"] - capacity
@@ -709,10 +790,19 @@ def load_agent(checkpoint: str | Path, device: torch.device | str = "cpu") -> Ag
 
 
 def main(args: Args) -> dict:
+    overrides = {}
+    if args.resume is not None and (Path(args.resume) / "args.json").is_file():
+        args, overrides = resume_args(args)
+        for name, (old, new) in overrides.items():
+            print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
     validate_args(args)
     args.batch_size = args.num_envs * args.num_steps
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.num_iterations = args.total_steps // args.batch_size
+    if args.total_steps % args.batch_size:
+        print(f"--total-steps {args.total_steps} is not a whole number of iterations of {args.batch_size} steps "
+              f"(--num-envs x --num-steps): training {args.num_iterations * args.batch_size} steps "
+              f"({args.num_iterations} iterations)")
     if args.resume is not None:
         run_dir = Path(args.resume).resolve().parent.parent
         args.run_name = run_dir.name
@@ -720,7 +810,11 @@ def main(args: Args) -> dict:
         args.run_name = f"capacity__{args.exp_name}__{args.seed}__{int(time.time())}"
         run_dir = Path(args.output_dir) / args.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    record = asdict(args)
+    if args.resume is not None:  # args.json keeps the run's arguments and lists what each resume changed
+        record = json.loads((run_dir / "args.json").read_text())
+        record.setdefault("resumed", []).append({"checkpoint": str(args.resume), "overrides": overrides})
+    (run_dir / "args.json").write_text(json.dumps(record, indent=2))
     if args.track:
         import wandb
 
@@ -789,6 +883,7 @@ def main(args: Args) -> dict:
 
             # 1. roll out the current policy in every environment for num_steps steps
             finished_returns, finished_lengths = [], []
+            term_sums: dict[str, torch.Tensor] = {}  # each reward term summed over the rollout
             for step in range(T):
                 global_step += N
                 obs[step] = next_obs
@@ -798,6 +893,8 @@ def main(args: Args) -> dict:
                 next_obs, reward, terminated, truncated, info = env.step(action)
                 done = terminated | truncated
                 rewards[step], terminateds[step], dones[step] = reward, terminated.float(), done.float()
+                for name, term in info["terms"].items():
+                    term_sums[name] = term_sums.get(name, 0.0) + term.sum()
                 if done.any():
                     # V of the state each finished episode ended in (used only where it was truncated)
                     with torch.no_grad():
@@ -841,6 +938,11 @@ def main(args: Args) -> dict:
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
                 "charts/SPS": int((global_step - start_step) / (time.time() - start_time)),
                 "charts/mean_capacity": float(torch.tensor(args.capacities)[actions.cpu()].float().mean()),
+                # the critic's mean prediction next to the mean GAE return it is fitted to
+                "charts/mean_value": b_values.mean().item(), "charts/mean_return": b_returns.mean().item(),
+                # mean per-step reward of each term, so a reader sees which one drives the policy
+                **{f"rewards/{name}": (total / (T * N)).item() for name, total in term_sums.items()},
+                "rewards/total": rewards.mean().item(),
                 "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
                 "losses/entropy": entropy_loss.item(), "losses/approx_kl": approx_kls[-1],
                 "losses/clipfrac": float(np.mean(clipfracs)), "losses/epochs": epoch + 1,
@@ -878,4 +980,8 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    try:
+        main(tyro.cli(Args))
+    except KeyboardInterrupt:  # a second Ctrl-C while the first one's checkpoint is written: quit at once
+        print("\ninterrupted again: quit without saving", file=sys.stderr)
+        sys.exit(130)

@@ -57,22 +57,28 @@ Deviations and choices:
 import copy
 import json
 import math
+import netrc
 import os
 import random
 import re
 import shutil
 import signal
+import socket
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Literal, Optional
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
 from datasets import load_dataset
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.utils import logging as hf_logging
 
 from kernels import clipped_policy_loss, linear_token_logprobs
 from rewards import DEFAULT_SPEC, make_reward
@@ -160,10 +166,11 @@ class Args:
     learning_rate: float = 1e-4
     """peak learning rate of AdamW"""
     total_steps: int = 500
-    """training steps (batches of completions)"""
-    micro_batch_size: int = 128
+    """training steps (batches of completions); changed on --resume, the lr decay continues from where it is
+    and reaches 0 at the new last step"""
+    micro_batch_size: int = 0
     """completions per forward/backward pass, grouped by length so each is padded to its own longest;
-    gradient accumulation covers the rest of the batch"""
+    gradient accumulation covers the rest of the batch (0: the largest divisor of each process's batch up to 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """after warmup: cosine or linear decay to 0 at the last step, or constant (the default cosine keeps the
     late policy from drifting between evaluations; README)"""
@@ -182,13 +189,15 @@ class Args:
 
     # --- logging / checkpointing
     log_every: int = 1
-    """steps between metric lines"""
+    """steps between rows of metrics.jsonl (and printed lines when the output is not a terminal)"""
     eval_every: int = 50
     """steps between greedy evaluations (0: only at start and end)"""
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     resume: Optional[str] = None
-    """checkpoint folder (runs/<run>/checkpoints/step_N) to continue from, in its run directory"""
+    """checkpoint folder (runs/<run>/checkpoints/step_N) to continue from, in its run directory, with the run's own
+    arguments; flags given here that differ from their defaults may change the cadence (--total-steps, --log-every,
+    --eval-every, --save-every, --eval-limit, tracking, --device), any other is refused"""
     num_sample_completions: int = 8
     """completions per logging step in the --track table"""
     run_name: tyro.conf.Suppress[str] = ""
@@ -305,14 +314,19 @@ def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torc
     return out
 
 
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Multiplier of the peak learning rate: linear warmup, then cosine/linear decay to 0 or constant."""
+def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
+    """Multiplier of the peak learning rate: linear warmup, then cosine/linear decay to 0 or constant.
+
+    anchor (s0, f0): a run resumed at step s0 (after warmup) with a new `total`: the decay starts again from the
+    factor f0 it had reached and ends at 0 on the new last step, so the lr neither jumps nor stops early.
+    """
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    start, scale = anchor if anchor is not None and anchor[0] >= warmup else (warmup, 1.0)
+    progress = min(1.0, max(0, step - start) / max(1, total - start))
+    return scale * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress)
 
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -424,8 +438,6 @@ def load_split(dataset: str, split: str):
         return load_dataset("json", data_files={split: str(file)}, split=split)
     if path.is_file():
         return load_dataset("json", data_files=str(path), split="train")
-    if dataset.startswith((".", "/")) or dataset.count("/") > 1:
-        raise ValueError(f"dataset '{dataset}' does not exist: pass a folder, a .jsonl file or a hub id")
     return load_dataset(dataset, split=split)
 
 
@@ -438,24 +450,13 @@ def check_columns(ds, columns: list[str], what: str) -> None:
         raise ValueError(f"{what} is empty: it needs at least one row")
 
 
-def check_model_path(name: str) -> None:
-    if Path(name).exists():
-        return
-    if name.startswith((".", "/")) or name.count("/") > 1:
-        raise ValueError(f"model path '{name}' does not exist: pass a local folder or a Hugging Face id")
-    try:
-        AutoConfig.from_pretrained(name)
-    except OSError as e:
-        raise ValueError(f"model '{name}' is neither a local folder nor a reachable Hugging Face id "
-                         f"(offline? the embedded model is models/tiny-arith): {e}") from None
-
-
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, device, eos_ids, batch_size=128):
+def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, device, eos_ids, batch_size=128,
+                    progress=False):
     """Greedy decoding on left-padded batches; returns (accuracy, [(prompt, completion, answer)])."""
     model.eval()
     correct, samples = 0, []
-    for i in range(0, len(prompts), batch_size):
+    for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True,
                         padding_side="left", add_special_tokens=False).to(device)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
@@ -476,6 +477,7 @@ def save_checkpoint(path: Path, model, tokenizer, state: Optional[dict] = None) 
     tokenizer.save_pretrained(tmp)
     if state is not None:
         torch.save(state, tmp / "trainer_state.pt")
+        (tmp / "args.json").write_text(json.dumps(state["args"], indent=2))
     if path.exists():
         os.replace(path, old)
     os.replace(tmp, path)
@@ -502,23 +504,208 @@ def plot_curves(metrics_file: Path, out: Path,
     plt.close(fig)
 
 
-def validate(args: Args) -> None:
-    for name in ("total_steps", "prompts_per_step", "micro_batch_size", "max_completion_length", "max_prompt_length",
+# ----------------------------------------------------------------------------- run lifecycle
+
+# Flags a resumed run may change (a notice is printed); any other flag that differs from the run's own value
+# is refused, since it would change the algorithm or the data. The run directory is the checkpoint's, so
+# --exp-name and --output-dir are ignored on resume.
+RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
+                     "track", "wandb_project_name", "wandb_entity", "device")
+RESUME_IGNORES = ("exp_name", "output_dir", "run_name", "resume")
+
+
+def resume_args(args: Args) -> tuple[Args, dict]:
+    """--resume: the run's own arguments from the checkpoint, with the flags given on this command line that
+    differ from their defaults applied on top (RESUME_MAY_CHANGE) or refused. -> (args, {flag: [run's, new]})."""
+    saved = json.loads((Path(args.resume) / "args.json").read_text())
+    defaults, out, changed = Args(), Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}), {}
+    for name in Args.__dataclass_fields__:
+        given = getattr(args, name)
+        if name in RESUME_IGNORES or given == getattr(defaults, name) or given == saved.get(name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name not in RESUME_MAY_CHANGE:
+            raise ValueError(f"{flag} {given} differs from the run's {saved.get(name)!r} ({args.resume}/args.json): "
+                             f"it would change the algorithm or the data, so it cannot change on resume; drop the "
+                             f"flag, or start a new run. Flags that may change: "
+                             f"{', '.join('--' + n.replace('_', '-') for n in RESUME_MAY_CHANGE)}")
+        setattr(out, name, given)
+        changed[name] = [saved.get(name), given]
+    out.resume = args.resume
+    return out, changed
+
+
+def looks_local(name: str) -> bool:
+    """A path rather than a hub id: starts with . / ~, ends in .json/.jsonl, or its first part exists here."""
+    return (name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1
+            or ("/" in name and Path(name.split("/")[0]).exists()))
+
+
+def check_hub_reachable(kind: str, name: str, local_hint: str) -> None:
+    """A hub id is meant: fail at once when the hub cannot be reached, rather than after retries."""
+    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
+    if offline:
+        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
+                         f"pass a local path ({local_hint}) or unset {offline[0]}")
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError:
+        raise ValueError(f"{kind} '{name}' is not a local path and huggingface.co cannot be reached (offline?): "
+                         f"pass a local path ({local_hint})") from None
+
+
+def check_jsonl(file: Path) -> None:
+    """Every line of a JSON-lines file is a JSON object, and there is at least one: name the file and line if not."""
+    n = 0
+    with file.open() as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{file}, line {i}: expected a JSON object with named columns, got {type(row).__name__}")
+            n += 1
+    if n == 0:
+        raise ValueError(f"{file} is empty: it needs at least one JSON line")
+
+
+def check_dataset(dataset: str, splits: list[str]) -> None:
+    """The dataset and its splits exist and parse, before anything is loaded."""
+    path = Path(dataset).expanduser()
+    if path.is_dir():
+        for split in splits:
+            file = path / f"{split}.jsonl"
+            if not file.exists():
+                have = sorted(f.stem for f in path.glob("*.jsonl"))
+                raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
+            check_jsonl(file)
+    elif path.is_file():
+        check_jsonl(path)
+    elif looks_local(dataset):
+        raise ValueError(f"dataset '{dataset}' does not exist: pass a folder of <split>.jsonl files, a .jsonl file "
+                         f"(e.g. data/arith) or a hub id")
+    else:
+        check_hub_reachable("dataset", dataset, "e.g. data/arith")
+
+
+def check_model_path(name: str) -> None:
+    """A local model folder has a config and a tokenizer; a hub id needs the hub."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
+                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            raise ValueError(f"model folder '{name}' has no tokenizer (tokenizer.json or tokenizer_config.json): "
+                             f"save the tokenizer beside the weights")
+    elif path.exists() or looks_local(name):
+        raise ValueError(f"model path '{name}' does not exist or is not a folder: pass a local model folder "
+                         f"(e.g. models/tiny-arith) or a Hugging Face id")
+    else:
+        check_hub_reachable("model", name, "e.g. models/tiny-arith")
+
+
+def check_device(device: str, dtype: str) -> None:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ValueError(f"--device {device}: use auto, cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}, but torch sees no CUDA GPU on this machine: use --device cpu (or auto)")
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and dtype == "float16":
+        raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
+                         "(or bfloat16) on CPU; float16 is for GPUs")
+
+
+def check_wandb_login() -> None:
+    """--track: wandb is installed and logged in (or offline), before any work is done."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ValueError("--track needs the wandb package: `pip install wandb`") from None
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        login = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        login = None
+    if not login:
+        raise ValueError(f"--track: no Weights & Biases login for {host}: run `wandb login` (or set WANDB_API_KEY), "
+                         f"or log locally with WANDB_MODE=offline")
+
+
+def fit_micro_batch(requested: int, per_process: int, what: str) -> int:
+    """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to 128."""
+    if requested == 0:
+        return max(d for d in range(1, min(128, per_process) + 1) if per_process % d == 0)
+    if per_process % requested:
+        works = [d for d in range(1, min(requested, per_process) + 1) if per_process % d == 0][-1]
+        raise ValueError(f"{what} = {per_process} is not divisible by --micro-batch-size {requested}: use "
+                         f"--micro-batch-size {works} (or 0, the largest divisor up to 128)")
+    return requested
+
+
+def clean_run_dir(run_dir: Path, step: int) -> None:
+    """On resume: drop half-written checkpoints left by a kill, and metrics logged after the checkpoint's step."""
+    for tmp in [*run_dir.glob("checkpoints/.tmp-*"), *run_dir.glob("checkpoints/.old-*"), *run_dir.glob(".tmp-*"),
+                *run_dir.glob(".old-*")]:
+        shutil.rmtree(tmp, ignore_errors=True)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        rows = [line for line in metrics.read_text().splitlines() if line.strip()]
+        metrics.write_text("".join(line + "\n" for line in rows if json.loads(line)["step"] <= step))
+
+
+class Interrupt:
+    """Ctrl-C: the first asks the loop to finish its step and save; the second quits at once, without saving."""
+
+    def __init__(self, rank: int):
+        self.requested, self.rank, self.step = False, rank, 0
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self.first)
+        return self
+
+    def first(self, signum, frame):
+        # the second Ctrl-C's handler goes in first: one arriving while the notice is written must not run this again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.requested = True
+        if self.rank == 0:
+            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
+                  f"saving)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def eta(seconds: float) -> str:
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else \
+        f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def validate(args: Args) -> int:
+    """Every check that needs no model or data loading; -> the micro-batch size each process uses."""
+    for name in ("total_steps", "prompts_per_step", "max_completion_length", "max_prompt_length",
                  "log_every", "num_iterations"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("eval_every", "save_every", "warmup_steps", "eval_limit", "max_resample_rounds", "lora_r", "top_k",
-                 "num_sample_completions"):
+                 "num_sample_completions", "micro_batch_size"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.num_generations < 2:
         raise ValueError(f"--num-generations must be >= 2, got {args.num_generations}: GRPO's advantage compares "
                          f"completions of the same prompt (--scale-rewards {args.scale_rewards} needs a group)")
-    batch = args.prompts_per_step * args.num_generations
-    if batch % args.micro_batch_size:
-        raise ValueError(f"--prompts-per-step x --num-generations = {args.prompts_per_step} x {args.num_generations} "
-                         f"= {batch} completions is not divisible by --micro-batch-size {args.micro_batch_size}; "
-                         f"pick a micro-batch size that divides {batch}")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} does not split evenly over {world} processes: "
+                         f"use a multiple of {world}, e.g. {world * max(1, args.prompts_per_step // world)}")
+    micro = fit_micro_batch(args.micro_batch_size, args.prompts_per_step // world * args.num_generations,
+                            f"each process's completions (--prompts-per-step / {world} processes x --num-generations)"
+                            if world > 1 else "--prompts-per-step x --num-generations")
     if args.learning_rate <= 0:
         raise ValueError(f"--learning-rate must be positive, got {args.learning_rate}")
     if not (args.temperature > 0 and 0 < args.top_p <= 1):
@@ -526,39 +713,47 @@ def validate(args: Args) -> None:
     if args.beta < 0 or not (0 <= args.clip_low <= 1) or args.clip_high < 0:
         raise ValueError(f"need --beta >= 0, 0 <= --clip-low <= 1 and --clip-high >= 0, got {args.beta}, "
                          f"{args.clip_low}, {args.clip_high}")
-    if args.resume and not (Path(args.resume) / "trainer_state.pt").exists():
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass a checkpoints/step_N folder")
     if args.lora_r:
         try:
             import peft  # noqa: F401
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
+    check_device(args.device, args.dtype)
+    check_model_path(args.model_name_or_path)
+    check_dataset(args.dataset, [args.dataset_split] + ([args.eval_split] if args.eval_split else []))
+    if args.track:
+        check_wandb_login()
+    return micro
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work, then set up processes, device and seeds.
-    validate(args)
+    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
+    #    up processes, device and seeds.
+    overrides = {}
+    if args.resume:
+        if not (Path(args.resume) / "trainer_state.pt").exists():
+            raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass a runs/<run>/checkpoints/step_N "
+                             f"folder")
+        args, overrides = resume_args(args)
+    micro = validate(args)
     reward = make_reward(args.reward)
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
     ddp = "LOCAL_RANK" in os.environ
     if ddp:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
-    if args.prompts_per_step % world or (args.prompts_per_step // world * args.num_generations) % args.micro_batch_size:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must split evenly over {world} processes, "
-                         f"each share x {args.num_generations} generations divisible by --micro-batch-size "
-                         f"{args.micro_batch_size}")
     if args.device == "auto":
-        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
     # 1. Data: the prompts, tokenised once; the reward's columns, checked up front.
-    check_model_path(args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -626,8 +821,9 @@ def main(args: Args) -> dict:
     # 3. Optimiser, schedule and data order (one per process); restore them all on --resume.
     optimizer = torch.optim.AdamW([p for p in raw_model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule))
+        optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     order_gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     order, cursor, start_step = torch.randperm(len(prompt_ids), generator=order_gen), 0, 0
     if args.resume:
@@ -648,41 +844,48 @@ def main(args: Args) -> dict:
         random.setstate(state["python_rng"])
         np.random.set_state(state["numpy_rng"])
         torch.set_rng_state(state["torch_rng"][rank].clone())
+        lr_anchor = state["lr_anchor"]
+        if "total_steps" in overrides:  # the decay continues from where it is to the new last step
+            lr_anchor = (start_step, lr_factor(start_step, args.warmup_steps, overrides["total_steps"][0],
+                                               args.lr_schedule, lr_anchor))
         run_dir = ckpt.parents[1]
-        args.run_name = run_dir.name
     else:
         args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{int(time.time())}"
         run_dir = Path(args.output_dir) / args.run_name
-
     metrics_file = run_dir / "metrics.jsonl"
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        n_train = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
-        print(f"run directory: {run_dir}  |  {len(prompt_ids)} training prompts, {len(eval_prompts)} eval prompts, "
-              f"{n_train / 1e6:.2f}M trainable parameters on {device}")
     wandb = None
-    if args.track and rank == 0:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                   config=vars(args), dir=str(run_dir), resume="allow")
+    progress = rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, compact lines otherwise
+    last = {"eval/accuracy": None}  # the latest values the progress line shows
 
     def log(metrics: dict) -> None:
         if rank != 0:
             return
         with metrics_file.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()), flush=True)
+        last.update(metrics)
         if wandb:
             wandb.log(metrics, step=metrics["step"])
+
+    def report(step: int, seconds_per_step: float) -> None:
+        """The key numbers: on the progress bar (a terminal), or one compact line."""
+        if rank != 0:
+            return
+        shown = {"reward": last.get("train/reward"), "acc": last["eval/accuracy"], "kl": last.get("train/kl")}
+        text = " | ".join(f"{k} {v:.3g}" for k, v in shown.items() if v is not None)
+        if progress:
+            bar.set_postfix_str(f"{text} | {seconds_per_step:.2f} s/step")
+        else:
+            print(f"step {step}/{args.total_steps} | {text} | {seconds_per_step:.2f} s/step | "
+                  f"ETA {eta((args.total_steps - step) * seconds_per_step)}", flush=True)
 
     def evaluate(step: int) -> float:
         acc = None
         if rank == 0 and eval_prompts:
             acc, samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
-                                           device, eos_ids)
+                                           device, eos_ids, progress=progress)
             log({"step": step, "eval/accuracy": acc})
+            if not progress:
+                print(f"eval at step {step}: accuracy {acc:.4f} on {len(eval_prompts)} prompts", flush=True)
             if wandb:
                 wandb.log({"eval/samples": wandb.Table(columns=["prompt", "completion", "answer"],
                                                        data=[list(s) for s in samples[:16]])}, step=step)
@@ -710,7 +913,7 @@ def main(args: Args) -> dict:
                 "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "order_gen": per_rank[0], "order": per_rank[1], "cursor": per_rank[2].tolist(),
                 "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": per_rank[3],
-                "reward": reward.state_dict(), "args": asdict(args)})
+                "reward": reward.state_dict(), "lr_anchor": lr_anchor, "args": asdict(args)})
         if ddp:
             dist.barrier()
         return path
@@ -748,135 +951,163 @@ def main(args: Args) -> dict:
                 "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
                 "prompts": [texts[i] for i in rows], "completions": completions}
 
-    # Ctrl-C finishes the current step, saves a checkpoint and exits; a second Ctrl-C kills.
-    stop = {"requested": False}
-
-    def on_sigint(signum, frame):
-        stop["requested"] = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    previous_handler = signal.signal(signal.SIGINT, on_sigint)
-
-    # 4. Train.
-    if start_step == 0:
-        evaluate(0)
+    # 4. Train: the run directory (a fresh one is removed if the run fails before its first step ends); Ctrl-C
+    #    finishes the current step, saves a checkpoint and exits; a second Ctrl-C quits without saving.
+    if rank == 0:
+        if args.resume:
+            clean_run_dir(run_dir, start_step)
+            args_json = json.loads((run_dir / "args.json").read_text())
+            args_json.setdefault("resumed", []).append({"step": start_step, "checkpoint": str(args.resume),
+                                                        "overrides": overrides})
+            (run_dir / "args.json").write_text(json.dumps(args_json, indent=2))
+            for name, (old, new) in overrides.items():
+                print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
+        else:
+            run_dir.mkdir(parents=True)
+            (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        n_train = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
+        print(f"run directory: {run_dir}  |  {len(prompt_ids)} training prompts, {len(eval_prompts)} eval prompts, "
+              f"{n_train / 1e6:.2f}M trainable parameters on {device}, micro-batch {micro}", flush=True)
     groups = args.prompts_per_step // world
-    G, micro = args.num_generations, args.micro_batch_size
+    G = args.num_generations
     step, final = start_step, {}
     tokens_since_log, last_log_step = 0, start_step
     # seconds per phase since the last log line; "step" excludes evaluation and checkpointing
     timing = {"step": 0.0, "generate": 0.0, "score": 0.0, "train": 0.0}
+    stop, steps_timed, seconds_timed = Interrupt(rank), 0, 0.0
+    bar = tqdm(total=args.total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not progress)
     try:
-        for step in range(start_step + 1, args.total_steps + 1):
-            t_step = time.perf_counter()
-            # 4a. Sample G completions for each prompt and score them (Algorithm 1 of arXiv:2402.03300);
-            #     with dynamic sampling, replace groups whose rewards are all equal (DAPO).
-            if args.dynamic_sampling:
-                batch, draws, n_informative = dynamic_sampling(sample_groups, groups, G, args.max_resample_rounds,
-                                                               tokenizer.pad_token_id)
-            else:
-                batch, draws, n_informative = sample_groups(groups), 1, None
-            t_train = time.perf_counter()
-            # 4b. Group-relative advantages over the global batch; this process keeps its own rows.
-            rewards = gather(batch["rewards"]["total"].to(device)).view(-1, G)
-            advantages = group_advantages(rewards, args.scale_rewards).view(-1)[rank * groups * G:][: groups * G]
-            mask = loss_mask(batch["completion_mask"], batch["truncated"], args.mask_truncated_completions)
-            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-            attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
-            width = batch["prompt_ids"].shape[1]
-            num_tokens = int(gather(mask.sum()[None]).sum())
-            # Without a KL term a zero-advantage completion has zero loss and gradient at every token (Eq. 3
-            # with A = 0), and the normalisers above still count it: skip its forward and backward (about half
-            # the batch, from groups that agree). bnpo's micro-batch means would change, so it keeps every row.
-            # Each process keeps at least one micro-batch, so that DDP synchronises once per update.
-            needed = advantages != 0 if args.beta == 0 and args.loss_type != "bnpo" else torch.ones_like(advantages).bool()
-            if not needed.any():
-                needed[:micro] = True
-            kept = needed.nonzero().squeeze(1)
-            chunks = [{"ids": ids[r, first : width + end], "attention": attention[r, first : width + end],
-                       "prompt_width": width - first, "mask": mask[r, :end], "advantages": advantages[r, None]}
-                      for r, first, end in ((kept[rows], first, end) for rows, first, end in length_sorted_micro_batches(
-                          batch["prompt_mask"][kept], batch["completion_mask"][kept], micro))]
+        if args.track and rank == 0:
+            import wandb
 
-            # 4c. mu updates on this batch: PPO-clipped loss per token (Eq. 3), aggregated per --loss-type.
-            sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "tokens": 0.0}
-            for iteration in range(args.num_iterations):
-                for k, mb in enumerate(chunks):
-                    sync = k == len(chunks) - 1 or not ddp
-                    with (policy.no_sync() if not sync else torch.enable_grad()), autocast:
-                        logp, entropy = policy(mb["ids"], mb["attention"], mb["prompt_width"], args.temperature)
-                        if iteration == 0:  # the weights have not moved yet: these are pi_old's log-probs
-                            mb["old_logp"] = logp.detach()
-                            if args.beta > 0:
-                                with torch.no_grad():
-                                    mb["ref_logp"] = reference_logprobs(mb["ids"], mb["attention"], mb["prompt_width"])
-                        per_token, kl, clipped = clipped_policy_loss(
-                            logp, mb["old_logp"], mb["advantages"], ref_logp=mb.get("ref_logp"), clip_low=args.clip_low,
-                            clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
-                        loss = aggregate_loss(per_token, mb["mask"], args.loss_type,
-                                              num_sequences=args.prompts_per_step * G, num_tokens=num_tokens,
-                                              max_completion_length=args.max_completion_length)
-                        (loss * world).backward()  # DDP averages gradients over processes
-                    sums["loss"] += loss.item()
-                    sums["tokens"] += float(mb["mask"].sum())
-                    for name, x in (("kl", kl), ("clip_frac", clipped), ("entropy", entropy)):
-                        sums[name] += float((x.detach() * mb["mask"]).sum())
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
-            scheduler.step()
-            timing["train"] += time.perf_counter() - t_train
-            timing["step"] += time.perf_counter() - t_step
-            tokens_since_log += int(attention.sum())
-
-            # 4d. Log rewards per component, lengths, KL, clipping and timings.
-            if step % args.log_every == 0 or step == args.total_steps:
-                lengths = batch["completion_mask"].sum(dim=1)
-                local = torch.tensor([sums["loss"], *(sums[k] for k in ("kl", "clip_frac", "entropy", "tokens")),
-                                      float(lengths.sum()), float(batch["truncated"].sum()), len(lengths)], device=device)
-                if ddp:
-                    dist.all_reduce(local)
-                loss_sum, kl_sum, clip_sum, ent_sum, n_tok, len_sum, n_trunc, n_seq = local.tolist()
-                n_steps = step - last_log_step
-                final = {"step": step, "train/loss": loss_sum / args.num_iterations,
-                         "train/reward": float(rewards.mean()), "train/reward_std": float(rewards.std(dim=1).mean()),
-                         **{f"rewards/{k}": float(gather(v.to(device)).mean()) for k, v in batch["rewards"].items()
-                            if k != "total"},
-                         "train/kl": kl_sum / max(n_tok, 1), "train/clip_frac": clip_sum / max(n_tok, 1),
-                         "train/entropy": ent_sum / max(n_tok, 1), "train/grad_norm": float(grad_norm),
-                         "train/lr": lr, "train/completion_length": len_sum / n_seq,
-                         "train/truncated_frac": n_trunc / n_seq,
-                         "train/frac_zero_std": float((~informative_groups(rewards)).float().mean()),
-                         "perf/tokens_per_s": tokens_since_log * world / max(timing["step"], 1e-9),
-                         **{f"perf/{k}_s": v / n_steps for k, v in timing.items()}}
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=str(run_dir), resume="allow")
+        with stop:
+            if start_step == 0:
+                evaluate(0)
+            for step in range(start_step + 1, args.total_steps + 1):
+                stop.step = step
+                t_step = time.perf_counter()
+                # 4a. Sample G completions for each prompt and score them (Algorithm 1 of arXiv:2402.03300);
+                #     with dynamic sampling, replace groups whose rewards are all equal (DAPO).
                 if args.dynamic_sampling:
-                    final["train/sampling_draws"] = draws
-                    final["train/informative_groups"] = n_informative
-                log(final)
-                if wandb and args.num_sample_completions:
-                    n = args.num_sample_completions
-                    table = zip(batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n],
-                                advantages[:n])
-                    wandb.log({"train/samples": wandb.Table(
-                        columns=["step", "prompt", "completion", "reward", "advantage"],
-                        data=[[step, p, c, float(rw), float(a)] for p, c, rw, a in table])}, step=step)
-                tokens_since_log, last_log_step = 0, step
-                timing = dict.fromkeys(timing, 0.0)
-            if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
-                evaluate(step)
-            if args.save_every and step % args.save_every == 0:
-                checkpoint(step)
-            if stop["requested"]:
-                path = checkpoint(step)
-                if rank == 0:
-                    print(f"interrupted: saved {path}; continue with --resume {path}")
-                break
+                    batch, draws, n_informative = dynamic_sampling(sample_groups, groups, G, args.max_resample_rounds,
+                                                                   tokenizer.pad_token_id)
+                else:
+                    batch, draws, n_informative = sample_groups(groups), 1, None
+                t_train = time.perf_counter()
+                # 4b. Group-relative advantages over the global batch; this process keeps its own rows.
+                rewards = gather(batch["rewards"]["total"].to(device)).view(-1, G)
+                advantages = group_advantages(rewards, args.scale_rewards).view(-1)[rank * groups * G:][: groups * G]
+                mask = loss_mask(batch["completion_mask"], batch["truncated"], args.mask_truncated_completions)
+                ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+                attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
+                width = batch["prompt_ids"].shape[1]
+                num_tokens = int(gather(mask.sum()[None]).sum())
+                # Without a KL term a zero-advantage completion has zero loss and gradient at every token (Eq. 3
+                # with A = 0), and the normalisers above still count it: skip its forward and backward (about half
+                # the batch, from groups that agree). bnpo's micro-batch means would change, so it keeps every row.
+                # Each process keeps at least one micro-batch, so that DDP synchronises once per update.
+                needed = advantages != 0 if args.beta == 0 and args.loss_type != "bnpo" else torch.ones_like(advantages).bool()
+                if not needed.any():
+                    needed[:micro] = True
+                kept = needed.nonzero().squeeze(1)
+                chunks = [{"ids": ids[r, first : width + end], "attention": attention[r, first : width + end],
+                           "prompt_width": width - first, "mask": mask[r, :end], "advantages": advantages[r, None]}
+                          for r, first, end in ((kept[rows], first, end) for rows, first, end in length_sorted_micro_batches(
+                              batch["prompt_mask"][kept], batch["completion_mask"][kept], micro))]
+
+                # 4c. mu updates on this batch: PPO-clipped loss per token (Eq. 3), aggregated per --loss-type.
+                sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "tokens": 0.0}
+                for iteration in range(args.num_iterations):
+                    for k, mb in enumerate(chunks):
+                        sync = k == len(chunks) - 1 or not ddp
+                        with (policy.no_sync() if not sync else torch.enable_grad()), autocast:
+                            logp, entropy = policy(mb["ids"], mb["attention"], mb["prompt_width"], args.temperature)
+                            if iteration == 0:  # the weights have not moved yet: these are pi_old's log-probs
+                                mb["old_logp"] = logp.detach()
+                                if args.beta > 0:
+                                    with torch.no_grad():
+                                        mb["ref_logp"] = reference_logprobs(mb["ids"], mb["attention"], mb["prompt_width"])
+                            per_token, kl, clipped = clipped_policy_loss(
+                                logp, mb["old_logp"], mb["advantages"], ref_logp=mb.get("ref_logp"), clip_low=args.clip_low,
+                                clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
+                            loss = aggregate_loss(per_token, mb["mask"], args.loss_type,
+                                                  num_sequences=args.prompts_per_step * G, num_tokens=num_tokens,
+                                                  max_completion_length=args.max_completion_length)
+                            (loss * world).backward()  # DDP averages gradients over processes
+                        sums["loss"] += loss.item()
+                        sums["tokens"] += float(mb["mask"].sum())
+                        for name, x in (("kl", kl), ("clip_frac", clipped), ("entropy", entropy)):
+                            sums[name] += float((x.detach() * mb["mask"]).sum())
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
+                scheduler.step()
+                timing["train"] += time.perf_counter() - t_train
+                timing["step"] += time.perf_counter() - t_step
+                steps_timed, seconds_timed = steps_timed + 1, seconds_timed + time.perf_counter() - t_step
+                tokens_since_log += int(attention.sum())
+
+                # 4d. Log rewards per component, lengths, KL, clipping and timings.
+                if step % args.log_every == 0 or step == args.total_steps:
+                    lengths = batch["completion_mask"].sum(dim=1)
+                    local = torch.tensor([sums["loss"], *(sums[k] for k in ("kl", "clip_frac", "entropy", "tokens")),
+                                          float(lengths.sum()), float(batch["truncated"].sum()), len(lengths)], device=device)
+                    if ddp:
+                        dist.all_reduce(local)
+                    loss_sum, kl_sum, clip_sum, ent_sum, n_tok, len_sum, n_trunc, n_seq = local.tolist()
+                    n_steps = step - last_log_step
+                    final = {"step": step, "train/loss": loss_sum / args.num_iterations,
+                             "train/reward": float(rewards.mean()), "train/reward_std": float(rewards.std(dim=1).mean()),
+                             **{f"rewards/{k}": float(gather(v.to(device)).mean()) for k, v in batch["rewards"].items()
+                                if k != "total"},
+                             "train/kl": kl_sum / max(n_tok, 1), "train/clip_frac": clip_sum / max(n_tok, 1),
+                             "train/entropy": ent_sum / max(n_tok, 1), "train/grad_norm": float(grad_norm),
+                             "train/lr": lr, "train/completion_length": len_sum / n_seq,
+                             "train/truncated_frac": n_trunc / n_seq,
+                             "train/frac_zero_std": float((~informative_groups(rewards)).float().mean()),
+                             "perf/tokens_per_s": tokens_since_log * world / max(timing["step"], 1e-9),
+                             **{f"perf/{k}_s": v / n_steps for k, v in timing.items()}}
+                    if args.dynamic_sampling:
+                        final["train/sampling_draws"] = draws
+                        final["train/informative_groups"] = n_informative
+                    log(final)
+                    if wandb and args.num_sample_completions:
+                        n = args.num_sample_completions
+                        table = zip(batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n],
+                                    advantages[:n])
+                        wandb.log({"train/samples": wandb.Table(
+                            columns=["step", "prompt", "completion", "reward", "advantage"],
+                            data=[[step, p, c, float(rw), float(a)] for p, c, rw, a in table])}, step=step)
+                    tokens_since_log, last_log_step = 0, step
+                    timing = dict.fromkeys(timing, 0.0)
+                bar.update(1)
+                if progress or step % args.log_every == 0:
+                    report(step, seconds_timed / steps_timed)
+                if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
+                    evaluate(step)
+                if args.save_every and step % args.save_every == 0:
+                    checkpoint(step)
+                if ddp:  # every process stops at the same step, even if the signal reached them apart
+                    flag = torch.tensor([float(stop.requested)], device=device)
+                    dist.all_reduce(flag)
+                    stop.requested = bool(flag.item())
+                if stop.requested:
+                    path = checkpoint(step)
+                    if rank == 0:
+                        print(f"interrupted: saved {path}; continue with --resume {path}", flush=True)
+                    break
+    except BaseException:
+        if rank == 0 and not args.resume and steps_timed == 0:  # a failed start leaves no run directory
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     finally:
-        signal.signal(signal.SIGINT, previous_handler)
+        bar.close()
 
     # 5. Final evaluation, the trained model (LoRA merged into it), the curves.
-    if not stop["requested"]:
+    if not stop.requested:
         final["eval/accuracy"] = evaluate(step)
         checkpoint(step)
         if rank == 0:
@@ -888,9 +1119,13 @@ def main(args: Args) -> dict:
         wandb.finish()
     if ddp:
         dist.destroy_process_group()
-    final.update({"run_dir": str(run_dir), "interrupted": stop["requested"]})
+    final.update({"run_dir": str(run_dir), "interrupted": stop.requested})
     return final
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    try:
+        main(tyro.cli(Args))
+    except KeyboardInterrupt:  # the second Ctrl-C: quit at once; the last checkpoint written is intact
+        print("\ninterrupted again: quit without saving", file=sys.stderr)
+        sys.exit(130)

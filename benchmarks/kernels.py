@@ -7,7 +7,8 @@
     python benchmarks/kernels.py --part gpu --gpu-dry-run   # the GPU code path on CPU, tiny shapes
 
 CPU (float32, one forward+backward of sum(g * logp) with random per-token g, as a policy-gradient
-loss has): `linear_token_logprobs` against naive (`F.linear` + `log_softmax` + `gather`) and TRL's
+loss has): `linear_token_logprobs` -- its PyTorch backend (kernels/torch_ref.py: the tiled online
+log-sum-exp in torch ops; Triton runs only on CUDA tensors) -- against naive (`F.linear` + `log_softmax` + `gather`) and TRL's
 `ChunkedLogProbFunction` (vocab chunk 32,768, as TRL's trainer uses it) when trl is installed.
 Each method runs in its own process. Peak memory is the resident-set high-water mark above the
 level after the inputs were allocated (reset through /proc/self/clear_refs), so it counts every
@@ -15,7 +16,9 @@ temporary and the gradients (of which weight.grad is V x H floats, the same for 
 
 GPU (bfloat16): `token_logprobs` and `linear_token_logprobs`, forward only (how old/ref log-probs
 are computed) and forward+backward, against PyTorch eager, torch.compile, TRL's kernels and
-Liger's (when importable). ms is a median over CUDA-event timings; GB/s counts the logits read
+Liger's (a row saying "not installed" when they do not import). Like with like: TRL's
+token kernel always computes the entropy too, so it appears only in the entropy rows (--entropy);
+Liger has no entropy output, so it appears only in the rows without. ms is a median over CUDA-event timings; GB/s counts the logits read
 (and, in backward, read again and written) over the measured device-to-device copy bandwidth;
 TFLOP/s counts 2NVH per forward and 6NVH per forward+backward (the model's FLOPs, whatever a
 method recomputes); memory is the peak allocated above the inputs.
@@ -168,7 +171,7 @@ def cpu_table(args: Args) -> None:
     methods = [m for m in args.cpu_methods if m != "trl" or not trl.startswith("unavailable")]
     variants = [False, True] if args.entropy else [False]
     print(f"\n### CPU: linear_token_logprobs forward+backward, N={args.cpu_tokens}, H={args.cpu_hidden}, "
-          f"V={args.cpu_vocab}, float32\n")
+          f"V={args.cpu_vocab}, float32 (`kernels` = its PyTorch backend: Triton runs on CUDA only)\n")
     print(f"torch {torch.__version__}, {torch.get_num_threads() if not args.cpu_threads else args.cpu_threads} threads, "
           f"{os.cpu_count()} CPUs, trl {trl}; median of {args.cpu_repeats} passes, each method in its own process\n")
     print("| method | entropy | wall s (median) | wall s (min) | vs naive | CPU s (median) | vs naive | peak extra MB | vs naive |")
@@ -283,39 +286,54 @@ def eager_token(logits, targets):
     return logp_all.gather(-1, targets[:, None])[:, 0]
 
 
-def token_methods() -> dict:
-    methods = {"kernels": lambda x, t: kernels.token_logprobs(x, t), "eager": eager_token,
-               "torch.compile": torch.compile(eager_token)}
-    try:
-        from trl.kernels import selective_log_softmax_and_entropy
+def eager_token_entropy(logits, targets):
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    return logp_all.gather(-1, targets[:, None])[:, 0], -(logp_all.exp() * logp_all).sum(-1)
 
-        methods["trl"] = lambda x, t: selective_log_softmax_and_entropy(x, t)[0]
-    except Exception:
-        pass
-    try:
-        from liger_kernel.transformers import LigerCrossEntropyLoss
 
-        liger = LigerCrossEntropyLoss(reduction="none")
-        methods["liger CE"] = lambda x, t: -liger(x, t)  # in place: its forward overwrites x with the gradient
-    except Exception:
-        pass
+NOT_INSTALLED = None  # a method entry that prints a "not installed" row
+
+
+def token_methods(with_entropy: bool) -> dict:
+    """label -> fn(logits, targets) returning the log-probs (and the entropy when with_entropy),
+    or NOT_INSTALLED. Only methods that compute what the row asks for are listed."""
+    ours = lambda x, t: kernels.token_logprobs(x, t, with_entropy=with_entropy)  # noqa: E731
+    eager = eager_token_entropy if with_entropy else eager_token
+    methods = {"kernels": ours, "eager": eager, "torch.compile": torch.compile(eager)}
+    if with_entropy:  # TRL's kernel always computes both: it belongs in the entropy rows only
+        try:
+            from trl.kernels import selective_log_softmax_and_entropy
+
+            methods["trl"] = lambda x, t: selective_log_softmax_and_entropy(x, t)
+        except Exception:
+            methods["trl"] = NOT_INSTALLED
+    else:  # Liger has no entropy output
+        try:
+            from liger_kernel.transformers import LigerCrossEntropyLoss
+
+            liger = LigerCrossEntropyLoss(reduction="none")
+            methods["liger CE"] = lambda x, t: -liger(x, t)  # in place: its forward overwrites x with the gradient
+        except Exception:
+            methods["liger CE"] = NOT_INSTALLED
     return methods
 
 
-def linear_methods(with_grad: bool) -> dict:
+def linear_methods(with_entropy: bool) -> dict:
+    """label -> fn(hidden, weight, targets, with_entropy), or NOT_INSTALLED (see token_methods)."""
     methods = {"kernels": ours_logprobs, "eager": naive_logprobs, "torch.compile": torch.compile(naive_logprobs)}
-    if not trl_status().startswith("unavailable"):
-        methods["trl"] = trl_logprobs
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    methods["trl"] = trl_logprobs if not trl_status().startswith("unavailable") else NOT_INSTALLED
+    if not with_entropy:
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        # Liger returns a loss, not log-probs, and computes its gradients during forward: a sum
-        # loss (its only cheap mode) is what is timed, so its forward-only row includes that work
-        liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
-        methods["liger FLCE (sum loss)"] = lambda h, w, t, with_entropy=False: -liger(w, h, t)
-    except Exception:
-        pass
+            # Liger returns a loss, not log-probs, and computes its gradients during forward: a sum
+            # loss (its only cheap mode) is what is timed, so its forward-only row includes that work
+            liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+            methods["liger FLCE (sum loss)"] = lambda h, w, t, with_entropy=False: -liger(w, h, t)
+        except Exception:
+            methods["liger FLCE (sum loss)"] = NOT_INSTALLED
     return methods
+
 
 
 def _cell(clock: Clock, run) -> tuple[float | None, float | None, str]:
@@ -351,55 +369,64 @@ def gpu_tables(args: Args) -> None:
     print(f"\n### GPU: {name}, torch {torch.__version__}, bfloat16, copy bandwidth {bandwidth:.0f} GB/s\n")
     gen = torch.Generator(device=device).manual_seed(0)
 
+    variants = (False, True) if args.entropy else (False,)
     print("#### token_logprobs (logits [N, V] -> log-probs)\n")
-    print("| N | V | method | pass | ms | GB/s | % of copy | peak extra MB | note |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    methods = token_methods()
+    print("| N | V | method | entropy | pass | ms | GB/s | % of copy | peak extra MB | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n, v in itertools.product(tokens, vocabs):
         logits = torch.randn(n, v, device=device, generator=gen).to(dtype)
         targets = torch.randint(0, v, (n,), device=device, generator=gen)
         g = torch.randn(n, device=device, generator=gen)
-        for (label, fn), backward in itertools.product(methods.items(), (False, True)):
-            x = logits.clone().requires_grad_(backward)
+        for with_entropy in variants:
+            for (label, fn), backward in itertools.product(token_methods(with_entropy).items(), (False, True)):
+                if fn is NOT_INSTALLED:
+                    if not backward:
+                        print(f"| {n} | {v} | {label} | {with_entropy} | - | - | - | - | - | not installed |")
+                    continue
+                x = logits.clone().requires_grad_(backward)
 
-            def run():
-                if backward:
-                    torch.autograd.grad((fn(x, targets) * g).sum(), x)
-                else:
-                    with torch.no_grad():
-                        fn(x, targets)
+                def run():
+                    if backward:
+                        torch.autograd.grad(policy_gradient_loss(fn(x, targets), g), x)
+                    else:
+                        with torch.no_grad():
+                            fn(x, targets)
 
-            ms, mb, note = _cell(clock, run)
-            moved = (3 if backward else 1) * n * v * logits.element_size()
-            gbs = None if ms is None else moved / (ms * 1e-3) / 1e9
-            print(f"| {n} | {v} | {label} | {'fwd+bwd' if backward else 'fwd'} | {_fmt(ms, '.2f')} | {_fmt(gbs, '.0f')} | "
-                  f"{_fmt(None if gbs is None else gbs / bandwidth, '.0%')} | {_fmt(mb, '.0f')} | {note} |")
+                ms, mb, note = _cell(clock, run)
+                moved = (3 if backward else 1) * n * v * logits.element_size()
+                gbs = None if ms is None else moved / (ms * 1e-3) / 1e9
+                print(f"| {n} | {v} | {label} | {with_entropy} | {'fwd+bwd' if backward else 'fwd'} | {_fmt(ms, '.2f')} | "
+                      f"{_fmt(gbs, '.0f')} | {_fmt(None if gbs is None else gbs / bandwidth, '.0%')} | {_fmt(mb, '.0f')} | {note} |")
         del logits
 
     print("\n#### linear_token_logprobs (hidden [N, H], weight [V, H] -> log-probs)\n")
-    print("| N | H | V | method | pass | ms | TFLOP/s | peak extra MB | note |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| N | H | V | method | entropy | pass | ms | TFLOP/s | peak extra MB | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n, h, v in itertools.product(tokens, hiddens, vocabs):
         hidden = torch.randn(n, h, device=device, generator=gen).to(dtype)
         weight = (torch.randn(v, h, device=device, generator=gen) * 0.02).to(dtype)
         targets = torch.randint(0, v, (n,), device=device, generator=gen)
         g = torch.randn(n, device=device, generator=gen)
-        for backward in (False, True):
-            for label, fn in linear_methods(backward).items():
+        for with_entropy, backward in itertools.product(variants, (False, True)):
+            for label, fn in linear_methods(with_entropy).items():
+                if fn is NOT_INSTALLED:
+                    if not backward:
+                        print(f"| {n} | {h} | {v} | {label} | {with_entropy} | - | - | - | - | not installed |")
+                    continue
                 hx, wx = hidden.clone().requires_grad_(backward), weight.clone().requires_grad_(backward)
 
                 def run():
                     if backward:
-                        torch.autograd.grad(policy_gradient_loss(fn(hx, wx, targets, False), g), (hx, wx))
+                        torch.autograd.grad(policy_gradient_loss(fn(hx, wx, targets, with_entropy), g), (hx, wx))
                     else:
                         with torch.no_grad():
-                            fn(hx, wx, targets, False)
+                            fn(hx, wx, targets, with_entropy)
 
                 ms, mb, note = _cell(clock, run)
                 flops = (6 if backward else 2) * n * v * h
                 tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
-                print(f"| {n} | {h} | {v} | {label} | {'fwd+bwd' if backward else 'fwd'} | {_fmt(ms, '.2f')} | "
-                      f"{_fmt(tflops, '.1f')} | {_fmt(mb, '.0f')} | {note} |")
+                print(f"| {n} | {h} | {v} | {label} | {with_entropy} | {'fwd+bwd' if backward else 'fwd'} | "
+                      f"{_fmt(ms, '.2f')} | {_fmt(tflops, '.1f')} | {_fmt(mb, '.0f')} | {note} |")
         del hidden, weight
 
 

@@ -18,7 +18,12 @@ and borrow mistakes, which is what leaves room for RL.
 Files (JSON lines, DESIGN.md): `train.jsonl`/`test.jsonl` (`prompt`, `answer`), `sft.jsonl`
 (`prompt`, `completion`, `answer`) over the train prompts, `prefs.jsonl` (`prompt`, `chosen`,
 `rejected`, `answer`): the rejected trace makes one plausible slip (a dropped carry or borrow, or
-an off-by-one column) and so ends at a wrong answer. Output is byte-identical for a given seed.
+an off-by-one column) and so ends at a wrong answer. `prefs_test.jsonl`: pairs made the same way on
+the test prompts (held out: no prompt of train), for `eval/pref_accuracy` in dpo.py and
+reward_model.py. `sft_noisy.jsonl`: the SFT rows with a slip in 40% of them (their completion, and
+`answer`, still the true answer), so that demonstrations teach some wrong arithmetic that rewards must
+correct (hybrid.py's ablation). The extra files draw from their own random streams, so the four
+original files are unchanged. Output is byte-identical for a given seed.
 """
 
 import argparse
@@ -33,6 +38,7 @@ THINK, END_THINK, ANSWER, END_ANSWER = "<think>", "</think>", "<answer>", "</ans
 EOS, PAD, UNK = "<|endoftext|>", "<|pad|>", "<|unk|>"
 # Every printable ASCII character and newline, so any English prompt can be tokenised.
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+NOISY_FRACTION = 0.4  # share of sft_noisy.jsonl rows whose trace has one slip
 
 
 def sample_problem(rng: random.Random, max_digits: int) -> tuple[int, str, int]:
@@ -131,8 +137,24 @@ def main(out: Path, seed: int, n_train: int, n_test: int, n_prefs: int, max_digi
             prefs.append({**row(*p), "chosen": completion(good_steps, good),
                           "rejected": completion(bad_steps, bad)})
     write_jsonl(out / "prefs.jsonl", prefs)
+    held_rng = random.Random(seed + 1)
+    prefs_test = []
+    for p in test:
+        good_steps, good = column_trace(*p)
+        bad_steps, bad = column_trace(*p, slip=held_rng.randrange(len(good_steps)))
+        if bad != good:
+            prefs_test.append({**row(*p), "chosen": completion(good_steps, good), "rejected": completion(bad_steps, bad)})
+    write_jsonl(out / "prefs_test.jsonl", prefs_test)
+    noisy_rng, noisy = random.Random(seed + 2), []
+    for r, p in zip(sft, train):
+        if noisy_rng.random() < NOISY_FRACTION:
+            steps, _ = column_trace(*p)
+            r = {**r, "completion": completion(*column_trace(*p, slip=noisy_rng.randrange(len(steps))))}
+        noisy.append(r)
+    write_jsonl(out / "sft_noisy.jsonl", noisy)
     build_tokenizer().save_pretrained(out / "tokenizer")
-    print(f"wrote {len(train)} train, {len(test)} test, {len(sft)} sft, {len(prefs)} prefs to {out}")
+    print(f"wrote {len(train)} train, {len(test)} test, {len(sft)} sft ({len(noisy)} noisy), {len(prefs)} prefs, "
+          f"{len(prefs_test)} held-out prefs to {out}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ because an out-of-range id would otherwise read past the end of a row and return
 """
 import functools
 import importlib.util
+import itertools
 import math
 import os
 from pathlib import Path
@@ -130,8 +131,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     logits: [..., V] any float dtype, targets: [...] integer in [0, V)
     -> logp [...] float32 (, entropy [...] float32). Differentiable w.r.t. logits.
     Saves three floats per row for backward (max, log-sum-exp, entropy), never the softmax.
-    Leading dimensions are flattened with reshape, which copies a non-contiguous view such as
-    logits[:, :-1]; slice the hidden states before the lm_head (or use linear_token_logprobs).
+    Strided rows such as logits[:, :-1] are read in place, never copied: when the leading
+    dimensions do not flatten into one row stride, each leading index is a [T, V] view of its own.
     """
     _check_float("logits", logits)
     if logits.dim() == 0 or logits.shape[-1] == 0:
@@ -139,8 +140,33 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     _check_temperature(temperature)
     vocab = logits.shape[-1]
     flat_targets = _check_targets(targets, logits.shape[:-1], vocab, f"logits {list(logits.shape)}", logits.device)
-    out = torch_ref.token_logprobs(logits.reshape(-1, vocab), flat_targets, float(temperature), with_entropy, _ops(logits.device))
+    ops = _ops(logits.device)
+    rows = _row_views(logits)
+    if len(rows) == 1:
+        out = torch_ref.token_logprobs(rows[0], flat_targets, float(temperature), with_entropy, ops)
+    else:
+        per_view, start = [], 0
+        for view in rows:
+            part = torch_ref.token_logprobs(view, flat_targets[start:start + view.shape[0]], float(temperature), with_entropy, ops)
+            per_view.append(part if isinstance(part, tuple) else (part,))
+            start += view.shape[0]
+        out = tuple(torch.cat(parts) for parts in zip(*per_view))
+        out = out if with_entropy else out[0]
     return _unflatten(out, targets.shape)
+
+
+def _row_views(logits: torch.Tensor) -> list[torch.Tensor]:
+    """logits [..., V] -> [N, V] views covering its rows in order, without copying: one view when
+    the leading dimensions flatten into a single row stride, else one [T, V] view per leading index
+    (e.g. logits[:, :-1] of a contiguous [B, T + 1, V] tensor gives B views)."""
+    vocab = logits.shape[-1]
+    try:
+        return [logits.view(-1, vocab)]
+    except RuntimeError:
+        pass
+    if logits.dim() < 3:
+        return [logits]
+    return [logits[index] for index in itertools.product(*map(range, logits.shape[:-2]))]
 
 
 def linear_token_logprobs(

@@ -26,6 +26,10 @@ import torch
 # The log-ratios are clamped to [-LOG_RATIO_MAX, LOG_RATIO_MAX] before exp(), as verl does
 # (core_algos.compute_policy_loss): exp(20) = 4.9e8 is finite in float32, exp(89) is not.
 LOG_RATIO_MAX = 20.0
+# The k3 estimate itself is clamped to [-KL_MAX, KL_MAX], as verl does for it (core_algos.kl_penalty,
+# "low_var_kl"): at the log-ratio clamp k3 is e^20 - 21 = 4.9e8, which one far-off-policy token
+# would add to the loss. Beyond the bound the KL term has no gradient.
+KL_MAX = 10.0
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -105,7 +109,8 @@ def fold_tile(x, inv_t, targets, vocab_start, stats: RowStats) -> None:
     if stats.sum_exp_shift is not None:
         # sum e (z - m_old) rebased to m_new: subtract (m_new - m_old) s_old (m_old = -inf: nothing yet)
         moved = torch.where(stats.sum_exp > 0, new_max - stats.max, 0.0) * stats.sum_exp
-        stats.sum_exp_shift.sub_(moved).mul_(rescale).add_(shifted.mul_(e).sum(dim=1))
+        # a logit of -inf (masked vocabulary) adds e (z - m) = 0, not 0 * -inf = nan
+        stats.sum_exp_shift.sub_(moved).mul_(rescale).add_(shifted.masked_fill_(e == 0, 0.0).mul_(e).sum(dim=1))
     stats.sum_exp.mul_(rescale).add_(e.sum(dim=1))
     stats.max.copy_(new_max)
     rows, cols = _target_columns(targets, vocab_start, x.shape[1])
@@ -124,7 +129,8 @@ def grad_tile(x, out, inv_t, targets, vocab_start, row_max, log_sum, entropy, gr
         dz = logp.exp_().mul_(-grad_logp[:, None])  # -g_logp p_j
     else:
         p = logp.exp()
-        dz = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])  # -g_H p_j (log p_j + H)
+        # -g_H p_j (log p_j + H); 0 where p_j = 0 (a logit of -inf: 0 * -inf would be nan)
+        dz = logp.add_(entropy[:, None]).mul_(p).masked_fill_(p == 0, 0.0).mul_(-grad_entropy[:, None])
         if grad_logp is not None:
             dz.addcmul_(p, grad_logp[:, None], value=-1.0)  # -g_logp p_j
     if grad_logp is not None:
@@ -201,7 +207,14 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = Non
 
     16-bit CUDA inputs use the tensor cores with a float32 output (torch >= 2.8 `out_dtype`);
     elsewhere the operands are upcast, so a CPU bfloat16 model gets exact float32 products.
+    Autocast is switched off here: under torch.autocast(bfloat16) a float32 mm would otherwise be
+    run in bfloat16 (log-probs off by 0.19 at H=896, where float32 gives 1.6e-5).
     """
+    with torch.autocast(a.device.type, enabled=False):
+        return _matmul_fp32(a, b, acc)
+
+
+def _matmul_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None) -> torch.Tensor:
     out_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _HAS_OUT_DTYPE:
         if acc is None:
@@ -274,12 +287,16 @@ def plain_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """The textbook formula, differentiated by autograd. logits: [N, V] -> logp [N] (, entropy [N]).
 
     No clamps needed: log_softmax computes (z - max) - log(sum), both terms of one sign, so it is
-    <= 0, and the entropy sums terms p log p <= 0.
+    <= 0, and the entropy sums terms p log p <= 0 (0 for a logit of -inf, not 0 * -inf = nan).
+    Run with autocast off, so that an enclosing bfloat16 autocast cannot round the float32 math.
     """
-    z = logits.to(compute_dtype(logits.dtype))
-    logp_all = torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
-    logp = logp_all.gather(-1, targets[:, None])[:, 0]
-    return (logp, (logp_all.exp() * logp_all).sum(-1).neg()) if with_entropy else logp
+    with torch.autocast(logits.device.type, enabled=False):
+        z = logits.to(compute_dtype(logits.dtype))
+        logp_all = torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
+        logp = logp_all.gather(-1, targets[:, None])[:, 0]
+        if not with_entropy:
+            return logp
+        return logp, (logp_all.exp() * logp_all.masked_fill(torch.isneginf(logp_all), 0.0)).sum(-1).neg()
 
 
 def token_logprobs(logits, targets, temperature: float, with_entropy: bool, ops: TileOps):
@@ -300,14 +317,15 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     """Per-token estimate of KL(pi || pi_ref) from samples of pi, http://joschu.net/blog/kl-approx.html.
 
     logp, ref_logp: [...] -> [...]. With log r = ref_logp - logp:
-    k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r (Eq. 4 of arXiv:2402.03300).
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r (Eq. 4 of arXiv:2402.03300), k3 clamped
+    to [-KL_MAX, KL_MAX] (see KL_MAX).
     """
     log_r = (ref_logp - logp).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
         return 0.5 * log_r**2
-    return torch.expm1(log_r) - log_r
+    return (torch.expm1(log_r) - log_r).clamp(-KL_MAX, KL_MAX)
 
 
 def clipped_policy_loss(logp, old_logp, advantages, ref_logp=None, clip_low=0.2, clip_high=0.2, beta=0.0, kl_estimator="k3"):

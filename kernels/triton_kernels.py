@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.torch_ref import KL_ESTIMATORS, LOG_RATIO_MAX, TileOps, compute_dtype
+from kernels.torch_ref import KL_ESTIMATORS, KL_MAX, LOG_RATIO_MAX, TileOps, compute_dtype
 
 # Columns per loop step. 4096 float32 values per program keep the loads wide on a GPU; the
 # interpreter (numpy) is happy with any size.
@@ -54,7 +54,8 @@ def _fold_kernel(
         if WITH_ENTROPY:
             # rebase w from m to new_m (nothing to move while s = 0, when m may still be -inf)
             moved = tl.where(s > 0, new_m - m, 0.0) * s
-            w = (w - moved) * rescale + tl.sum(e * tl.where(mask, shifted, 0.0), axis=0)  # not 0 * -inf
+            # e (z - m) is 0 where e is (the masked tail, a logit of -inf): never 0 * -inf
+            w = (w - moved) * rescale + tl.sum(e * tl.where(e > 0, shifted, 0.0), axis=0)
         s = s * rescale + tl.sum(e, axis=0)
         m = new_m
     tl.store(max_ptr + row, m)
@@ -96,7 +97,8 @@ def _grad_kernel(
         if HAS_GRAD_LOGP:
             dz += g_logp * (tl.where(cols == local, 1.0, 0.0) - p)  # d log p_t / dz_j = 1[j = t] - p_j
         if HAS_GRAD_ENTROPY:
-            dz -= g_entropy * p * (logp + entropy)  # dH / dz_j = -p_j (log p_j + H)
+            # dH / dz_j = -p_j (log p_j + H), 0 where p_j = 0 (a logit of -inf)
+            dz -= g_entropy * p * tl.where(p > 0, logp + entropy, 0.0)
         tl.store(out_row + cols, (dz * inv_t).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -140,7 +142,7 @@ TRITON_OPS = TileOps(fold=fold_tile, grad=grad_tile, chunk_elements=1 << 62, til
 
 
 @triton.jit
-def _kl_and_grad(logp, ref_logp, LOG_RATIO_MAX: tl.constexpr, KL: tl.constexpr):
+def _kl_and_grad(logp, ref_logp, LOG_RATIO_MAX: tl.constexpr, KL_MAX: tl.constexpr, KL: tl.constexpr):
     """Schulman's k1/k2/k3 of KL(pi || pi_ref) and its derivative in logp (torch_ref.kl_estimate)."""
     log_r = ref_logp - logp
     in_range = (log_r >= -LOG_RATIO_MAX) & (log_r <= LOG_RATIO_MAX)
@@ -156,14 +158,15 @@ def _kl_and_grad(logp, ref_logp, LOG_RATIO_MAX: tl.constexpr, KL: tl.constexpr):
         x = log_r
         series = x * x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0))))
         kl = tl.where(tl.abs(x) < 0.1, series, tl.exp(x) - 1.0 - x)
-        dkl = 1.0 - tl.exp(x)
+        dkl = tl.where(kl > KL_MAX, 0.0, 1.0 - tl.exp(x))
+        kl = tl.minimum(kl, KL_MAX)  # k3 >= 0: only the upper bound of torch_ref's clamp can bind
     return kl, tl.where(in_range, dkl, 0.0)
 
 
 @triton.jit
 def _policy_terms(
     offs, mask, logp_ptr, old_ptr, adv_ptr, ref_ptr, clip_low, clip_high, beta,
-    LOG_RATIO_MAX: tl.constexpr, HAS_REF: tl.constexpr, KL: tl.constexpr,
+    LOG_RATIO_MAX: tl.constexpr, KL_MAX: tl.constexpr, HAS_REF: tl.constexpr, KL: tl.constexpr,
 ):
     """Per-token loss, d loss / d logp, kl, d kl / d logp and the clipped flag (torch_ref.clipped_policy_loss)."""
     logp = tl.load(logp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -180,7 +183,7 @@ def _policy_terms(
     kl = tl.zeros(logp.shape, tl.float32)
     dkl = tl.zeros(logp.shape, tl.float32)
     if HAS_REF:
-        kl, dkl = _kl_and_grad(logp, tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32), LOG_RATIO_MAX, KL)
+        kl, dkl = _kl_and_grad(logp, tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32), LOG_RATIO_MAX, KL_MAX, KL)
         loss += beta * kl
         dloss += beta * dkl
     return loss, dloss, kl, dkl, is_clipped
@@ -189,12 +192,12 @@ def _policy_terms(
 @triton.jit
 def _policy_loss_fwd_kernel(
     logp_ptr, old_ptr, adv_ptr, ref_ptr, loss_ptr, kl_ptr, clipped_ptr, n, clip_low, clip_high, beta,
-    LOG_RATIO_MAX: tl.constexpr, HAS_REF: tl.constexpr, KL: tl.constexpr, BLOCK: tl.constexpr,
+    LOG_RATIO_MAX: tl.constexpr, KL_MAX: tl.constexpr, HAS_REF: tl.constexpr, KL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     loss, _, kl, _, is_clipped = _policy_terms(
-        offs, mask, logp_ptr, old_ptr, adv_ptr, ref_ptr, clip_low, clip_high, beta, LOG_RATIO_MAX, HAS_REF, KL
+        offs, mask, logp_ptr, old_ptr, adv_ptr, ref_ptr, clip_low, clip_high, beta, LOG_RATIO_MAX, KL_MAX, HAS_REF, KL
     )
     tl.store(loss_ptr + offs, loss, mask=mask)
     tl.store(kl_ptr + offs, kl, mask=mask)
@@ -204,13 +207,13 @@ def _policy_loss_fwd_kernel(
 @triton.jit
 def _policy_loss_bwd_kernel(
     logp_ptr, old_ptr, adv_ptr, ref_ptr, grad_loss_ptr, grad_kl_ptr, dlogp_ptr, n, clip_low, clip_high, beta,
-    LOG_RATIO_MAX: tl.constexpr, HAS_REF: tl.constexpr, KL: tl.constexpr,
+    LOG_RATIO_MAX: tl.constexpr, KL_MAX: tl.constexpr, HAS_REF: tl.constexpr, KL: tl.constexpr,
     HAS_GRAD_LOSS: tl.constexpr, HAS_GRAD_KL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     _, dloss, _, dkl, _ = _policy_terms(
-        offs, mask, logp_ptr, old_ptr, adv_ptr, ref_ptr, clip_low, clip_high, beta, LOG_RATIO_MAX, HAS_REF, KL
+        offs, mask, logp_ptr, old_ptr, adv_ptr, ref_ptr, clip_low, clip_high, beta, LOG_RATIO_MAX, KL_MAX, HAS_REF, KL
     )
     dlogp = tl.zeros(dloss.shape, tl.float32)
     if HAS_GRAD_LOSS:
@@ -232,7 +235,7 @@ class ClippedPolicyLoss(torch.autograd.Function):
         n = logp.numel()
         outputs = [torch.empty(n, device=logp.device, dtype=torch.float32) for _ in range(3)]
         ctx.consts = dict(
-            clip_low=clip_low, clip_high=clip_high, beta=beta, LOG_RATIO_MAX=LOG_RATIO_MAX,
+            clip_low=clip_low, clip_high=clip_high, beta=beta, LOG_RATIO_MAX=LOG_RATIO_MAX, KL_MAX=KL_MAX,
             HAS_REF=ref_logp is not None, KL=KL_ESTIMATORS.index(kl_estimator) + 1, BLOCK=POLICY_BLOCK,
         )
         ref = logp if ref_logp is None else ref_logp

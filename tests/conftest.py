@@ -34,20 +34,28 @@ except ImportError:
 import pytest  # noqa: E402
 
 
-def interrupt_at_step_2(cmd: list[str]) -> tuple[int, str]:
-    """Run a training script, send SIGINT once it logs step 2 (like Ctrl-C), and return its exit code and
-    the output after that line."""
+def interrupt_at_step_2(cmd: list[str], times: int = 1) -> tuple[int, str]:
+    """Run a training script, send SIGINT (like Ctrl-C) `times` times once it logs step 2, and return its exit
+    code and the output after that line."""
     import signal
     import subprocess
 
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        for line in proc.stdout:  # wait until training is under way
-            if line.startswith("step=2 "):
+        for line in proc.stdout:  # wait until training is under way (the compact progress line, or a metrics line)
+            if line.startswith(("step 2/", "step=2 ")):
                 break
         proc.send_signal(signal.SIGINT)
+        seen = ""
+        if times == 2:  # the second once the first is acknowledged
+            for line in proc.stdout:
+                seen += line
+                if line.startswith("Ctrl-C: finishing step"):
+                    break
+            proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
+        rest = seen + rest
     finally:
         proc.kill()
     return proc.returncode, rest

@@ -98,6 +98,29 @@ def test_value_loss_hand_computed(clip, expected):
     assert loss.item() == pytest.approx(expected, rel=1e-6)
 
 
+def value_loss_reference(new, old, returns, clip):
+    """float64 loop: 0.5 * mean_i max((V_i - R_i)^2, (old_i + clip(V_i - old_i, -c, c) - R_i)^2)."""
+    total = 0.0
+    for v, o, r in zip(new, old, returns):
+        clipped = o + min(max(v - o, -clip), clip)
+        total += max((v - r) ** 2, (clipped - r) ** 2)
+    return 0.5 * total / len(new)
+
+
+def test_value_loss_takes_the_elementwise_max_not_the_max_of_the_means():
+    # element 0: the clipped error is larger (3.24 > 1); element 1: the unclipped one (6.25 > 4.84).
+    # element-wise max then mean: 0.5 * (3.24 + 6.25) / 2 = 2.3725; the max of the two means
+    # (the specification's form) would give 0.5 * max(3.625, 4.04) = 2.02
+    new, old, returns = [2.0, 0.5], [1.0, 1.0], [3.0, 3.0]
+    loss = cp.value_loss(torch.tensor(new), torch.tensor(old), torch.tensor(returns), 0.2, True)
+    assert value_loss_reference(new, old, returns, 0.2) == pytest.approx(2.3725)
+    assert loss.item() == pytest.approx(2.3725, rel=1e-6)
+    g = torch.Generator().manual_seed(3)
+    new, old, returns = (torch.randn(50, generator=g).double() * 2 for _ in range(3))
+    want = value_loss_reference(new.tolist(), old.tolist(), returns.tolist(), 0.3)
+    assert cp.value_loss(new, old, returns, 0.3, True).item() == pytest.approx(want, rel=1e-12)
+
+
 def test_normalize_advantages_and_explained_variance():
     adv = cp.normalize_advantages(torch.tensor([1.0, 2.0, 3.0]))
     assert torch.allclose(adv, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-6)  # unbiased std of 1,2,3 is 1
@@ -219,7 +242,14 @@ def test_run_directory_metrics_and_checkpoint_reload(tmp_path):
     eval_keys = {"eval/return", "eval/oracle_return", "eval/best_fixed_return", "eval/random_return"}
     assert train_keys <= set(rows[1]) and eval_keys <= set(rows[0]) and eval_keys <= set(rows[2])
     assert eval_keys.isdisjoint(rows[1]) and eval_keys <= set(rows[-1])
-    assert rows[1]["charts/learning_rate"] > rows[-1]["charts/learning_rate"]  # annealed
+    # annealed linearly to 0: iteration i of 4 uses (1 - (i - 1) / 4) * lr
+    assert [r["charts/learning_rate"] for r in rows[1:]] == pytest.approx([args.learning_rate * f for f in (1, 0.75, 0.5, 0.25)])
+    # every reward term is logged as its mean per step, and the terms add up to the reward
+    terms = ["accuracy", "energy", "switch", "escalation", "efficiency"]
+    for row in rows[1:]:
+        assert {f"rewards/{t}" for t in terms} | {"rewards/total", "charts/mean_value", "charts/mean_return"} <= set(row)
+        assert sum(row[f"rewards/{t}"] for t in terms) == pytest.approx(row["rewards/total"], abs=1e-5)
+        assert row["rewards/accuracy"] > 0 > row["rewards/energy"]
     assert (run_dir / "curves.png").stat().st_size > 10_000
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step_256", "step_512"]  # periodic + final, no temporary folder left
@@ -236,8 +266,9 @@ def test_target_kl_stops_the_epochs_early(tmp_path):
         args = tiny_args(tmp_path, target_kl=target_kl, update_epochs=4, anneal_lr=False, learning_rate=1e-3,
                          exp_name=f"kl{target_kl}")
         cp.main(args)
-        epochs = [json.loads(line)["losses/epochs"] for line in metrics_file(args).read_text().splitlines()[1:]]
-        assert epochs == expected
+        rows = [json.loads(line) for line in metrics_file(args).read_text().splitlines()[1:]]
+        assert [r["losses/epochs"] for r in rows] == expected
+        assert all(r["charts/learning_rate"] == 1e-3 for r in rows)  # --no-anneal-lr keeps it constant
 
 
 def test_ctrl_c_saves_a_checkpoint_and_resume_is_exact(tmp_path, monkeypatch):
@@ -257,7 +288,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_is_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(cp, "compute_gae", real_gae)
     assert interrupted["step"] == 256 and interrupted["checkpoint"].endswith("step_256")
 
-    resumed = cp.main(tiny_args(tmp_path, exp_name="interrupted", resume=interrupted["checkpoint"]))
+    resumed = cp.main(cp.Args(resume=interrupted["checkpoint"]))  # the run's own (tiny) arguments come back
     run_dir = Path(interrupted["run_dir"]).resolve()
     assert Path(resumed["run_dir"]).resolve() == run_dir and resumed["step"] == straight["step"] == 512
     a, b = cp.load_agent(straight["checkpoint"]), cp.load_agent(resumed["checkpoint"])
@@ -268,10 +299,86 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_is_exact(tmp_path, monkeypatch):
 
 
 def test_track_logs_to_wandb_offline(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    args = tiny_args(tmp_path, track=True, total_steps=8 * 16)
+    logged, real_init = [], wandb.init
+
+    def init(*a, **kw):  # wandb.init rebinds wandb.log to the run's: record what main passes to it
+        run = real_init(*a, **kw)
+        real_log = wandb.log
+        monkeypatch.setattr(wandb, "log", lambda row, step=None, **k: (logged.append((step, row)), real_log(row, step=step, **k)))
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    args = tiny_args(tmp_path, track=True, total_steps=8 * 16 * 2)
     cp.main(args)
     assert list((tmp_path / args.run_name / "wandb").glob("offline-run-*"))
+    # W&B receives every metrics.jsonl row, at its step, with the same values
+    rows = [json.loads(line) for line in (tmp_path / args.run_name / "metrics.jsonl").read_text().splitlines()]
+    assert [step for step, _ in logged] == [r["step"] for r in rows] == [0, 128, 256]
+    for (_, got), row in zip(logged, rows):
+        assert got == pytest.approx({k: v for k, v in row.items() if k != "step"}, nan_ok=True)
+    assert "rewards/energy" in logged[-1][1] and "losses/value_loss" in logged[-1][1]
+
+
+def test_truncated_steps_bootstrap_from_the_final_state_terminated_ones_do_not(tmp_path, monkeypatch):
+    """main's next_values: V(state the episode ended in) on truncation, never V(next episode's first
+    state); terminations carry terminated = 1 so that GAE drops the bootstrap."""
+    args = tiny_args(tmp_path, total_steps=8 * 16, energy_budget=40.0, max_episode_steps=6, num_eval_envs=4)
+    agents, steps, checked = [], [], []
+    real_agent, real_step, real_gae = cp.Agent, cp.CapacityEnv.step, cp.compute_gae
+
+    class RecordingAgent(real_agent):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            agents.append(self)
+
+    def recording_step(env, action):
+        out = real_step(env, action)
+        if env.num_envs == args.num_envs:  # the training environments, not the evaluation ones
+            steps.append({"obs": out[0].clone(), "terminated": out[2].clone(), "truncated": out[3].clone(),
+                          "final_obs": out[4]["final_obs"].clone()})
+        return out
+
+    def checking_gae(rewards, values, next_values, terminated, dones, gamma, lam):
+        (agent,) = agents
+        with torch.no_grad():
+            for t, s in enumerate(steps[-len(rewards):]):
+                v_final, v_next_start = agent.get_value(s["final_obs"]), agent.get_value(s["obs"])
+                assert terminated[t].bool().tolist() == s["terminated"].tolist()
+                assert dones[t].bool().tolist() == (s["terminated"] | s["truncated"]).tolist()
+                trunc = s["truncated"]
+                assert torch.allclose(next_values[t][trunc], v_final[trunc])
+                assert not torch.isclose(next_values[t][trunc], v_next_start[trunc]).any()
+                alive = ~(s["terminated"] | trunc)
+                following = values[t + 1] if t + 1 < len(rewards) else v_next_start
+                assert torch.allclose(next_values[t][alive], following[alive])
+                checked.append((int(s["terminated"].sum()), int(trunc.sum())))
+        return real_gae(rewards, values, next_values, terminated, dones, gamma, lam)
+
+    monkeypatch.setattr(cp, "Agent", RecordingAgent)
+    monkeypatch.setattr(cp.CapacityEnv, "step", recording_step)
+    monkeypatch.setattr(cp, "compute_gae", checking_gae)
+    cp.main(args)
+    assert len(checked) == 16
+    assert sum(t for t, _ in checked) > 0 and sum(u for _, u in checked) > 0  # both kinds of episode end occurred
+
+
+def test_value_clipping_is_off_by_default():
+    # the clip (+-clip_coef) is in raw return units while returns are ~20: it made the critic lag
+    # the whole run (module docstring); --clip-vloss turns it back on
+    assert cp.Args().clip_vloss is False
+    assert tyro.cli(cp.Args, args=["--clip-vloss"]).clip_vloss is True
+
+
+def test_spec_energy_term_hand_computed():
+    # -0.1 * energy_used / n^2: 30 slot-steps used at n = 6 -> -0.1 * 30 / 36
+    terms = cp.reward_terms(torch.tensor([0.5]), torch.tensor([6.0]), torch.tensor([6.0]), energy_term="spec",
+                            energy_used=torch.tensor([30.0]), **REWARD_WEIGHTS)
+    assert terms["energy"].item() == pytest.approx(-0.1 * 30 / 36)
+    env = cp.CapacityEnv(cp.Args(energy_term="spec"), 1, 0)
+    rewards_seen = [env.step(torch.tensor([1]))[4]["terms"]["energy"].item() for _ in range(3)]
+    assert rewards_seen == pytest.approx([-0.1 * 6 / 36, -0.1 * 12 / 36, -0.1 * 18 / 36])
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -295,8 +402,18 @@ def test_bad_input_is_rejected_before_any_work(tmp_path, overrides, message):
 
 def test_resume_with_other_capacities_is_rejected(tmp_path):
     metrics = cp.main(tiny_args(tmp_path, total_steps=128))
-    with pytest.raises(ValueError, match="--capacities is .* but the checkpoint was trained with"):
+    with pytest.raises(ValueError, match=r"--capacities \(4, 8\) differs from the run's .*cannot change on resume"):
         cp.main(tiny_args(tmp_path, total_steps=256, capacities=(4, 8), resume=metrics["checkpoint"]))
+    resumed = cp.main(cp.Args(resume=metrics["checkpoint"], total_steps=256))  # a longer run may continue it
+    assert resumed["step"] == 256
+    record = json.loads((Path(metrics["run_dir"]) / "args.json").read_text())
+    assert record["total_steps"] == 128 and record["resumed"][-1]["overrides"] == {"total_steps": [128, 256]}
+
+
+def test_total_steps_rounded_to_whole_iterations_says_so(tmp_path, capsys):
+    out = cp.main(tiny_args(tmp_path, total_steps=300))  # iterations of 128 steps
+    assert out["step"] == 256
+    assert "--total-steps 300 is not a whole number of iterations of 128 steps" in capsys.readouterr().out
 
 
 def test_cli_parses_capacities_and_hides_computed_fields():

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "data"))
 import make_arith  # noqa: E402
 
-SPLITS = ("train", "test", "sft", "prefs")
+SPLITS = ("train", "test", "sft", "prefs", "prefs_test", "sft_noisy")
 
 
 def test_generation_reproduces_committed_files(tmp_path):
@@ -58,9 +58,16 @@ def test_files_are_consistent():
     assert not {r["prompt"] for r in rows["train"]} & {r["prompt"] for r in rows["test"]}
     for r in rows["sft"]:
         assert r["completion"].endswith(f"<answer>{r['answer']}</answer>")
-    for r in rows["prefs"]:
+    for r in rows["prefs"] + rows["prefs_test"]:
         assert r["chosen"].endswith(f"<answer>{r['answer']}</answer>")
         assert not r["rejected"].endswith(f"<answer>{r['answer']}</answer>")
+    # held-out pairs are on the test prompts only
+    assert {r["prompt"] for r in rows["prefs_test"]} <= {r["prompt"] for r in rows["test"]}
+    assert len(rows["prefs_test"]) >= 450
+    # the noisy SFT split: same prompts and answers, a slip (a wrong final answer) in about 40% of the rows
+    assert [(r["prompt"], r["answer"]) for r in rows["sft_noisy"]] == [(r["prompt"], r["answer"]) for r in rows["sft"]]
+    wrong = sum(not r["completion"].endswith(f"<answer>{r['answer']}</answer>") for r in rows["sft_noisy"])
+    assert 0.35 < wrong / len(rows["sft_noisy"]) < 0.45
 
 
 def test_tokenizer_round_trips_every_character():

@@ -264,16 +264,17 @@ def test_skipping_zero_advantage_completions_changes_nothing(tiny, tmp_path):
 
 
 def test_resume_equals_straight_run(tiny, tmp_path):
-    """Resume from step 2 of a 4-step run (mid-way through the cosine decay) in a copy of its run
-    directory: steps 3-4 and the final weights equal those of the run that went straight through."""
+    """Resume from step 2 of a 4-step non-default run (mid-way through the cosine decay) in a copy of its run
+    directory, with no flag but --resume: the run's own arguments come back, steps 3-4 and the final weights equal
+    those of the run that went straight through, and metrics logged after the checkpoint (a killed run's) and a
+    half-written checkpoint are dropped."""
     kw = {"total_steps": 4, "eval_split": None, "num_iterations": 2, "beta": 0.04, "save_every": 2}
     straight = grpo.main(tiny_args(tiny, tmp_path / "a", **kw))
     run = tmp_path / "b" / Path(straight["run_dir"]).name
     shutil.copytree(straight["run_dir"], run)
     shutil.rmtree(run / "final")
-    shutil.rmtree(run / "checkpoints" / "step_4")
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows(run) if r["step"] <= 2))
-    resumed = grpo.main(tiny_args(tiny, tmp_path / "b", **kw, resume=str(run / "checkpoints" / "step_2")))
+    os.replace(run / "checkpoints" / "step_4", run / "checkpoints" / ".tmp-step_4")  # as a kill mid-save leaves it
+    resumed = grpo.main(grpo.Args(resume=str(run / "checkpoints" / "step_2")))
     assert resumed["run_dir"] == str(run)
     assert resumed["train/reward"] == straight["train/reward"]
     assert resumed["train/loss"] == pytest.approx(straight["train/loss"], abs=1e-6)
@@ -281,7 +282,35 @@ def test_resume_equals_straight_run(tiny, tmp_path):
     a = load_file(Path(straight["run_dir"]) / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-    assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4]
+    assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4]  # no duplicate rows for steps 3-4
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    saved = json.loads((run / "args.json").read_text())
+    assert saved["prompts_per_step"] == 2 and saved["resumed"][0]["step"] == 2 and saved["resumed"][0]["overrides"] == {}
+
+
+def test_resume_overrides_cadence_and_refuses_algorithm_changes(tiny, tmp_path):
+    kw = {"total_steps": 4, "eval_split": None, "save_every": 2, "lr_schedule": "linear"}
+    first = grpo.main(tiny_args(tiny, tmp_path, **kw))
+    ckpt = Path(first["run_dir"]) / "checkpoints" / "step_2"
+    with pytest.raises(ValueError, match=r"--learning-rate 0.5 differs from the run's 0.003.*cannot change on resume"):
+        grpo.main(grpo.Args(resume=str(ckpt), learning_rate=0.5))
+    out = grpo.main(grpo.Args(resume=str(ckpt), total_steps=6))  # longer: the decay continues from where it was
+    rows = train_rows(out["run_dir"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # linear decay over 4 steps reached 1 - 2/4 = 0.5 at step 2; from there it falls linearly to 0 at step 6
+    assert [r["train/lr"] / 3e-3 for r in rows[2:]] == pytest.approx([0.5, 0.375, 0.25, 0.125])
+    saved = json.loads((Path(out["run_dir"]) / "args.json").read_text())
+    assert saved["total_steps"] == 4 and saved["resumed"][-1]["overrides"] == {"total_steps": [4, 6]}
+
+
+def test_lr_factor_anchor_continues_the_decay():
+    # cosine over 10 steps (warmup 2) resumed at step 6 with 20 steps: starts where it was, ends at 0
+    f6 = grpo.lr_factor(6, 2, 10, "cosine")
+    assert f6 == pytest.approx(0.5)
+    assert grpo.lr_factor(6, 2, 20, "cosine", (6, f6)) == pytest.approx(f6)
+    assert grpo.lr_factor(13, 2, 20, "cosine", (6, f6)) == pytest.approx(f6 * 0.5)
+    assert grpo.lr_factor(20, 2, 20, "cosine", (6, f6)) == pytest.approx(0.0)
+    assert grpo.lr_factor(1, 2, 20, "cosine", (1, 1.0)) == 1.0  # an anchor inside warmup changes nothing
 
 
 def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
@@ -295,10 +324,18 @@ def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
     (ckpt,) = (run / "checkpoints").iterdir()
     assert (ckpt / "trainer_state.pt").exists() and (run / "curves.png").exists()
     step = int(ckpt.name.split("_")[1])
-    out = grpo.main(grpo.Args(model_name_or_path=str(tiny / "model"), dataset=str(tiny / "data"),
-                              output_dir=str(tmp_path), total_steps=step + 1, num_generations=2, prompts_per_step=2,
-                              micro_batch_size=4, max_completion_length=4, eval_split=None, resume=str(ckpt)))
+    out = grpo.main(grpo.Args(resume=str(ckpt), total_steps=step + 1))  # the run's own arguments come back
     assert out["run_dir"] == str(run) and [r["step"] for r in train_rows(run)][-1] == step + 1
+
+
+def test_second_ctrl_c_quits_at_once_with_one_line(tiny, tmp_path):
+    cmd = [sys.executable, str(ROOT / "grpo.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
+           str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--num-generations", "2",
+           "--prompts-per-step", "2", "--max-completion-length", "4", "--eval-split", "None"]
+    returncode, rest = interrupt_at_step_2(cmd, times=2)
+    assert returncode == 130, rest
+    assert "Ctrl-C: finishing step" in rest and "interrupted again: quit without saving" in rest
+    assert "Traceback" not in rest
 
 
 def test_torchrun_two_processes_and_resume(tiny, tmp_path):
@@ -360,12 +397,53 @@ def test_learning_on_the_embedded_task(tmp_path):
     ({"reward": "correctness,bogus"}, "unknown reward type 'bogus'"),
     ({"reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),
     ({"dataset_split": "nope"}, "split 'nope' not found"),
+    ({"dataset": "data/nope"}, "dataset 'data/nope' does not exist"),
+    ({"dataset": "nope.jsonl"}, "dataset 'nope.jsonl' does not exist"),
+    ({"dataset": "someone/some-dataset"}, "HF_HUB_OFFLINE=1 forbids the Hugging Face Hub"),
+    ({"model_name_or_path": "models/nope"}, "model path 'models/nope' does not exist"),
+    ({"model_name_or_path": "data"}, "'data' is not a model folder: it has no config.json"),
+    ({"device": "cuda"}, "torch sees no CUDA GPU"),
+    ({"dtype": "float16", "device": "cpu"}, "--dtype float16 on CPU"),
+    ({"prompts_per_step": 3, "num_generations": 4, "micro_batch_size": 8}, "use --micro-batch-size 6"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
     with pytest.raises(ValueError) as e:
         grpo.main(tiny_args(tiny, tmp_path, **overrides))
     assert message in str(e.value)
     assert not any(tmp_path.iterdir())  # no run directory was created
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "is empty: it needs at least one JSON line"),
+    ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", answer: 4}\n', "line 2: not valid JSON"),
+    ('["1+1=", "2"]\n', "line 1: expected a JSON object"),
+])
+def test_bad_jsonl_names_file_and_line(tiny, tmp_path, content, message):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=message) as e:
+        grpo.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), eval_split=None))
+    assert str(data / "train.jsonl") in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_track_without_wandb_login_fails_first(tiny, tmp_path, monkeypatch):
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    with pytest.raises(ValueError, match="wandb login.*WANDB_MODE=offline"):
+        grpo.main(tiny_args(tiny, tmp_path / "out", track=True))
+    assert not (tmp_path / "out").exists()
+
+
+def test_default_micro_batch_fits_the_batch(tiny, tmp_path):
+    """0 (the default) picks the largest divisor of each process's batch up to 128."""
+    assert grpo.fit_micro_batch(0, 512, "") == 128 and grpo.fit_micro_batch(0, 96, "") == 96
+    assert grpo.fit_micro_batch(0, 300, "") == 100
+    out = grpo.main(tiny_args(tiny, tmp_path, micro_batch_size=0, prompts_per_step=3, num_generations=3,
+                              eval_split=None, total_steps=1))
+    assert out["step"] == 1
 
 
 def test_reward_needing_a_missing_column(tiny, tmp_path):

@@ -376,8 +376,108 @@ def test_benchmark_cpu_table_runs():
 @NEEDS_TRITON
 def test_benchmark_gpu_tables_dry_run():
     """The GPU tables' code path, on CPU tensors through the Triton interpreter (numbers meaningless)."""
-    rows = [row for row in run_benchmark("--part", "gpu", "--gpu-dry-run") if row[0] == "7"]
-    for method, passes in itertools.product(("kernels", "eager"), ("fwd", "fwd+bwd")):
+    rows = [row for row in run_benchmark("--part", "gpu", "--gpu-dry-run", "--entropy") if row[0] == "7"]
+    for method, entropy, passes in itertools.product(("kernels", "eager"), ("False", "True"), ("fwd", "fwd+bwd")):
         # one row in the token_logprobs table and one in the linear table, each timed without error
-        cells = [row for row in rows if method in row and passes in row]
+        cells = [row for row in rows if method in row and passes in row and row[row.index(passes) - 1] == entropy]
         assert len(cells) == 2 and all(row[-1] == "" and float(row[row.index(passes) + 1]) > 0 for row in cells)
+    # like with like: TRL's token kernel (it always computes the entropy) only in entropy rows, Liger
+    # (no entropy output) only in the others; a method that does not import says so
+    token_rows = [row for row in rows if row[1] == "97"]  # the linear table's second column is H = 16
+    for table, label, entropy in ((token_rows, "trl", "True"), (token_rows, "liger CE", "False"),
+                                  (rows, "liger FLCE (sum loss)", "False")):
+        mine = [row for row in table if label in row]
+        assert mine and all(row[row.index(label) + 1] == entropy for row in mine)
+        assert all(row[-1] in ("", "not installed") for row in mine)
+
+
+# ---------------------------------------------------------------------------------------------
+# float32 under autocast, masked vocabularies, bounded KL, strided rows (issue 16, items 12-15)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend, tiles", BACKEND_TILES, indirect=["backend"])
+def test_linear_logprobs_stay_float32_under_bf16_autocast(backend, monkeypatch, tiles):
+    # float32 hidden and weight: the matmul must not be cast to bfloat16 by an active autocast
+    set_tiles(monkeypatch, backend, tiles, tile_elements=96, max_rows=3)
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(5, 64, generator=gen, requires_grad=True)
+    weight = torch.randn(97, 64, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 97, (5,), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, entropy = linear_token_logprobs(hidden, weight, targets, with_entropy=True)
+    grads = torch.autograd.grad((logp + entropy).sum(), (hidden, weight))  # backward outside, as AMP does
+    hidden64, weight64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
+    want = reference_logprobs(hidden64 @ weight64.T, targets, 1.0)
+    want_grads = torch.autograd.grad((want[0] + want[1]).sum(), (hidden64, weight64))
+    for got, ref in zip((logp, entropy, *grads), (*want, *want_grads)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend, tiles", BACKEND_TILES, indirect=["backend"])
+def test_masked_vocabulary_gives_finite_entropy_and_gradients(backend, monkeypatch, tiles):
+    # logits of -inf (a masked vocabulary) contribute p log p = 0 and no gradient, never 0 * -inf
+    set_tiles(monkeypatch, backend, tiles, chunk_elements=2 * 97)
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(7, 97, generator=gen) * 2
+    masked = torch.zeros(97, dtype=torch.bool)
+    masked[::5] = True
+    masked[40:60] = True  # a run of masked columns, some in a tile of their own
+    logits[:, masked] = -math.inf
+    keep = (~masked).nonzero().squeeze(1)
+    targets = keep[torch.randint(0, len(keep), (7,), generator=gen)]
+    weights = torch.randn(7, generator=gen)
+    logits = logits.requires_grad_()
+    logp, entropy = token_logprobs(logits, targets, with_entropy=True)
+    (grad,) = torch.autograd.grad(backward_pair(logp, entropy, weights), logits)
+    # reference: the same softmax over the unmasked columns only
+    sub64 = logits.detach()[:, keep].double().requires_grad_()
+    local = (keep[None, :] == targets[:, None]).long().argmax(1)
+    want = reference_logprobs(sub64, local, 1.0)
+    (want_sub,) = torch.autograd.grad(backward_pair(*want, weights), sub64)
+    torch.testing.assert_close(logp.double(), want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), want[1], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(grad).all() and (grad[:, masked] == 0).all()
+    torch.testing.assert_close(grad[:, keep].double(), want_sub, atol=2e-5, rtol=1e-4)
+
+
+def test_k3_kl_is_bounded_for_a_far_off_policy_token(backend):
+    # log r = ref - logp = 29: unbounded k3 is e^20 - 21 = 4.9e8 after the log-ratio clamp; the
+    # estimate itself is clamped to [-10, 10] (verl's kl_penalty), with no gradient beyond the bound
+    logp = torch.tensor([-30.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.5])
+    loss, kl, _ = clipped_policy_loss(logp, logp.detach(), torch.zeros(2), ref_logp=ref, beta=0.1)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    near = math.exp(-0.5) - 1 + 0.5
+    torch.testing.assert_close(kl, torch.tensor([10.0, near]), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(loss, torch.tensor([1.0, 0.1 * near]), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([0.0, 0.1 * (1 - math.exp(-0.5))]), atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_token_logprobs_reads_strided_rows_without_a_copy(backend, monkeypatch):
+    # logits[:, :-1] of a [B, T, V] tensor cannot be flattened to [B * (T - 1), V] without a copy;
+    # every tile the kernels read must lie in the caller's storage
+    set_tiles(monkeypatch, backend, "one")
+    module, name = (torch_ref, "TORCH_OPS") if backend == "torch" else (kernels._triton_module(True), "TRITON_OPS")
+    ops = getattr(module, name)
+    seen = []
+
+    def fold(x, *args):
+        seen.append(x.untyped_storage().data_ptr())
+        return ops.fold(x, *args)
+
+    monkeypatch.setattr(module, name, dataclasses.replace(ops, fold=fold))
+    gen = torch.Generator().manual_seed(9)
+    full = torch.randn(3, 6, 97, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 97, (3, 5), generator=gen)
+    logits = full[:, :-1]
+    logp, entropy = token_logprobs(logits, targets, with_entropy=True)
+    assert seen and set(seen) == {full.untyped_storage().data_ptr()}
+    (grad,) = torch.autograd.grad((logp + entropy).sum(), full)
+    full64 = full.detach().double().requires_grad_()
+    want = reference_logprobs(full64[:, :-1], targets, 1.0)
+    (want_grad,) = torch.autograd.grad((want[0] + want[1]).sum(), full64)
+    torch.testing.assert_close(logp.double(), want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), want_grad, atol=2e-5, rtol=1e-4)

@@ -353,14 +353,13 @@ def test_bad_component_output(spec, message):
     ({"type": "correctness", "bogus": 1},
      r"unknown option\(s\) \['bogus'\] for reward 'correctness'; valid options: correct, wrong"),
     ({"type": "capitalization", "x": 1}, r"valid options: none"),
-    ({"type": "format", "mode": "loose"}, r"reward 'format': option mode='loose' is not one of \['strict', 'soft'\]"),
+    ({"type": "format", "mode": "loose"}, r"reward 'format': option mode='loose' is not one of \['strict', 'soft', 'pairs'\]"),
     ({"type": "correctness", "wrong": "-1"}, r"option wrong must be a finite number, got '-1'"),
     ({"type": "reasoning_steps", "target_steps": 0}, r"option target_steps must be >= 1, got 0"),
     ({"type": "overlong", "max_length": 4, "cache_length": 5}, r"cache_length=5 must be <= max_length=4"),
     ({"type": "conciseness", "unit": "bytes"}, r"option unit='bytes' is not one of \['words', 'chars', 'tokens'\]"),
     ({"type": "correctness", "postprocess": ["nope"]},
      r"unknown postprocessor 'nope'; valid postprocessors: clip, ema_normalize, scale"),
-    ({"type": "correctness", "postprocess": ["clip"]}, r"clip needs min and/or max"),
     ({"type": "correctness", "postprocess": [{"type": "clip", "min": 1, "max": 0}]}, r"clip needs min <= max"),
     ({"type": "correctness", "postprocess": [{"type": "scale", "factr": 2}]},
      r"unknown option\(s\) \['factr'\] for postprocessor Scale"),
@@ -605,3 +604,140 @@ def test_packaged_sentence_model():
                                                "A man is playing a guitar."])
     # references: sentence_transformers 6.2.0, SentenceTransformer(<package model dir>).encode, cosine
     assert values == pytest.approx([0.8518, -0.0497, 1.0], abs=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# fidelity to the specification and the review's gaps (issue 16, items 5-11)
+# ---------------------------------------------------------------------------------------------
+
+def test_specification_json_forms_load(tmp_path):
+    # the {"REWARD": {...}} wrapper, any case of a type name, the sts alias, scale's mul/add, a bare clip
+    spec = {"REWARD": {"type": "Weighted_Sum", "components": [
+        {"type": "CORRECTNESS", "weight": 1.0, "postprocess": [{"type": "Scale", "mul": 2.0, "add": 0.5}]},
+        {"type": "Format", "weight": 1.0, "postprocess": ["CLIP"]},
+    ]}}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    reward = make_reward(str(path))
+    assert reward([ARITH, "no"], prompts=["", ""], answer=["936", "936"]) == [2.5 + 1.0, -0.5 + 0.0]
+    assert make_reward({"type": "STS"}).spec["type"] == "cosine_sts"
+    assert make_reward("Correctness:1.0,FORMAT:0.2").spec["components"][1]["type"] == "format"
+    # clip's defaults are [-1, 1]; one bound given leaves the other side open (as before)
+    assert rewards.Clip()([-3.0, 0.5, 3.0]) == [-1.0, 0.5, 1.0]
+    assert rewards.Clip(max=2.0)([-3.0, 3.0]) == [-3.0, 2.0]
+    with pytest.raises(ValueError, match="factor or mul"):
+        make_reward({"type": "correctness", "postprocess": [{"type": "scale", "factor": 2, "mul": 3}]})
+
+
+@pytest.mark.parametrize("options, candidate, reference, expected", [
+    ({}, "The cats ran", "the cats run", 2 / 3),  # lower-cased by default: "the" and "cats" match
+    ({"lowercase": False}, "The cats ran", "the cats run", 1 / 3),
+    ({"use_stemmer": True}, "The cats running", "the cat runs", 1.0),  # cats->cat, running->run, runs->run
+])
+def test_rouge_l_lowercase_and_stemmer(options, candidate, reference, expected):
+    if options.get("use_stemmer"):
+        pytest.importorskip("nltk")
+    assert score({"type": "rouge_l", **options}, [candidate], target=[reference]) == [pytest.approx(expected)]
+
+
+def test_bleu_lowercase_and_identical_texts_score_exactly_one():
+    pytest.importorskip("sacrebleu")
+    text = "the cat sat on the mat today"
+    assert score("bleu", [text], target=[text]) == [1.0]  # was 1.0000000000000004
+    assert score({"type": "bleu", "lowercase": True}, [text.upper()], target=[text]) == [1.0]
+    assert score("bleu", [text.upper()], target=[text]) == [0.0]
+
+
+def test_reasoning_spec_file_follows_the_specification_formulas():
+    reward = make_reward(ROOT / "data" / "rewards" / "reasoning_spec.json")
+    completion = ("<think>First add 7 and 9. Then carry the one. Therefore the sum is 16. so so so so so </think>"
+                  "<answer>16</answer>")
+    words = len(completion.split())
+    trace = reward.trace([completion], prompts=["What is 7 plus 9?"], answer=["16"])
+    assert trace["correctness"] == [1.0]
+    assert trace["format"] == [1.0]  # 0.5 per tag pair found: think and answer
+    # phrases: First, Then, Therefore and five "so" = 8 -> 0.8 (x 0.1, capped at 1)
+    assert trace["reasoning_steps"] == [pytest.approx(0.8)]
+    assert trace["conciseness"] == [1.0] and words <= 100  # first piece: up to 100 words
+    # "so so so" occurs 3 times -> -(3 - 2) x 0.1
+    assert trace["repetition_penalty"] == [pytest.approx(-0.1)]
+    lang = trace["language_consistency"][0]
+    want = 1.0 + 1.0 + 0.3 * 0.8 + 0.05 * 1.0 + 0.1 * -0.1 + 0.1 * lang
+    assert trace["total"] == [pytest.approx(want)]
+    # a wrong, untagged, very long and repetitive completion
+    bad = " ".join(["the same words again"] * 120)
+    trace = reward.trace([bad], prompts=["q"], answer=["16"])
+    assert trace["correctness"] == [-0.5] and trace["format"] == [0.0] and trace["conciseness"] == [-0.5]
+    assert trace["repetition_penalty"] == [pytest.approx(-0.1 * (120 - 2))]  # unbounded, as the formula is
+    assert rewards.piecewise_score(150, rewards.DEFAULT_PIECES) == 0.5
+    assert score({"type": "format", "mode": "pairs"}, ["<answer>1</answer>", "<think>a</think>", "x"]) == [0.5, 0.5, 0.0]
+
+
+@pytest.mark.parametrize("spec, columns, message", [
+    ("correctness", {"answer": [None]}, r"column 'answer' is None in row 0"),
+    ("correctness", {"answer": [float("nan")]}, r"column 'answer' is nan in row 0"),
+    ("exact_match", {"target": [None]}, r"column 'target' is None in row 0"),
+    ("exact_match", {"target": [["x", float("nan")]]}, r"column 'target' is nan in row 0"),
+    ("exact_match", {"target": [[]]}, r"column 'target' is an empty list in row 0"),
+    ({"type": "conciseness", "unit": "tokens"}, {"completion_ids": [None]}, r"completion_ids.*NoneType in row 0"),
+    ({"type": "conciseness", "unit": "tokens"}, {"completion_ids": [[1], [2]]},
+     r"column 'completion_ids' must hold one value per completion \(1\), got 2 values"),
+])
+def test_bad_cells_are_clear_errors_naming_the_row(spec, columns, message):
+    with pytest.raises(ValueError, match=message):
+        score(spec, ["<answer>None</answer>"], **columns)
+
+
+def test_huge_exponent_is_not_parsed():
+    # Fraction("1e10000000") takes seconds; beyond MAX_EXPONENT the text is compared as a string
+    assert rewards.parse_number("1e100000") is None and rewards.parse_number("2E-1001") is None
+    assert rewards.parse_number("1e1000") == 10**1000
+    assert score("correctness", ["<answer>1e100000</answer>"], answer=["1"]) == [-0.5]
+
+
+def test_levenshtein_and_lcs_match_a_python_dp_at_any_length():
+    def dp(a, b, lcs):  # the textbook tables, written here as the reference
+        prev = list(range(len(b) + 1)) if not lcs else [0] * (len(b) + 1)
+        for i, x in enumerate(a, 1):
+            row = [i if not lcs else 0]
+            for j, y in enumerate(b, 1):
+                row.append(prev[j - 1] + 1 if lcs and x == y else max(prev[j], row[j - 1]) if lcs
+                           else min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (x != y)))
+            prev = row
+        return prev[-1]
+
+    import random
+    rng = random.Random(0)
+    for _ in range(20):
+        a = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        b = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        assert rewards.edit_distance(a, b) == dp(a, b, False)
+        assert rewards.lcs_length(a.split("a"), b.split("a")) == dp(a.split("a"), b.split("a"), True)
+    long_a, long_b = "ab" * 5000, "ba" * 5000  # 10k characters: quadratic Python took 25 s
+    assert rewards.edit_distance(long_a, long_b) == 2
+
+
+def test_load_state_dict_of_another_spec_is_a_clear_error():
+    reward = make_reward({"type": "correctness", "postprocess": ["ema_normalize"]})
+    with pytest.raises(ValueError, match=r"reward state is missing \['correctness.postprocess.0'\]"):
+        reward.load_state_dict({})
+
+
+def test_model_load_errors_at_build_time(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ValueError, match=r"model path 'models/nonexistent' does not exist"):
+        make_reward({"type": "perplexity", "model": "models/nonexistent"})
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ValueError, match=r"is a folder but not a model \(no config.json"):
+        make_reward({"type": "perplexity", "model": str(tmp_path)})
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda' but torch sees no CUDA GPU"):
+        make_reward({"type": "perplexity", "model": "models/tiny-arith", "device": "cuda"})
+
+
+@pytest.mark.parametrize("kind", ["levenshtein", "rouge_l"])
+def test_edit_distance_rewards_name_rapidfuzz_when_it_is_missing(monkeypatch, kind):
+    hide_package(monkeypatch, "rapidfuzz")
+    with pytest.raises(ValueError, match=rf"reward '{kind}' needs the package\(s\) \['rapidfuzz'\]: pip install rapidfuzz"):
+        make_reward(kind)

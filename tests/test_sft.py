@@ -100,7 +100,7 @@ def test_resume_equals_straight_run(tiny, tmp_path):
     straight = sft.main(tiny_args(tiny, tmp_path / "a", total_steps=6, eval_split=None))
     first = sft.main(tiny_args(tiny, tmp_path / "b", total_steps=3, eval_split=None))
     ckpt = Path(first["run_dir"]) / "checkpoints" / "step_3"
-    resumed = sft.main(tiny_args(tiny, tmp_path / "b", total_steps=6, eval_split=None, resume=str(ckpt)))
+    resumed = sft.main(sft.Args(resume=str(ckpt), total_steps=6))  # the run's own (non-default) args come back
     assert resumed["run_dir"] == first["run_dir"]
     assert resumed["train/loss"] == pytest.approx(straight["train/loss"], abs=1e-6)
     a = load_file(Path(straight["run_dir"]) / "final" / "model.safetensors")
@@ -136,9 +136,18 @@ def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
     assert {"model.safetensors", "trainer_state.pt", "config.json", "tokenizer.json"} <= {p.name for p in ckpts[0].iterdir()}
     assert not list(tmp_path.glob("*/checkpoints/.tmp-*"))
     step = int(ckpts[0].name.split("_")[1])
-    out = sft.main(tiny_args(tiny, tmp_path, total_steps=step + 1, eval_split=None, resume=str(ckpts[0]),
-                             lr_schedule="cosine"))
+    out = sft.main(sft.Args(resume=str(ckpts[0]), total_steps=step + 1))
     assert out["step"] == step + 1 and not out["interrupted"]
+
+
+def test_second_ctrl_c_quits_at_once_with_one_line(tiny, tmp_path):
+    cmd = [sys.executable, str(ROOT / "sft.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
+           str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--batch-size", "8",
+           "--log-every", "1", "--eval-split", "None"]
+    returncode, rest = interrupt_at_step_2(cmd, times=2)
+    assert returncode == 130, rest
+    assert "Ctrl-C: finishing step" in rest and "interrupted again: quit without saving" in rest
+    assert "Traceback" not in rest
 
 
 def test_torchrun_two_processes(tiny, tmp_path):
@@ -172,7 +181,11 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     (dict(completion_column="response"), "no column ['response']; available columns: ['prompt', 'answer', 'completion']"),
     (dict(dataset_split="validation"), "split 'validation' not found"),
     (dict(max_length=4), "prompts are longer than --max-length 4"),
-    (dict(batch_size=6, gradient_accumulation_steps=4), "--batch-size 6 must be divisible"),
+    (dict(batch_size=6, gradient_accumulation_steps=4), "--batch-size 6 is not divisible by processes (1) x "
+                                                         "--gradient-accumulation-steps (4) = 4: use --batch-size 4"),
+    (dict(dataset="data/nope"), "dataset 'data/nope' does not exist"),
+    (dict(device="cuda"), "torch sees no CUDA GPU"),
+    (dict(dtype="float16", device="cpu"), "--dtype float16 on CPU"),
     (dict(resume="/nonexistent/step_3"), "no trainer_state.pt there"),
 ])
 def test_bad_input_fails_before_training(tiny, tmp_path, change, message):
@@ -186,7 +199,7 @@ def test_empty_dataset_is_refused(tiny, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "sft.jsonl").write_text("")
-    with pytest.raises(ValueError, match="is empty: it needs at least one row"):
+    with pytest.raises(ValueError, match="sft.jsonl is empty: it needs at least one JSON line"):
         sft.main(tiny_args(tiny, tmp_path, dataset=str(empty)))
 
 
