@@ -1,0 +1,323 @@
+"""reward_model.py: the Bradley-Terry loss against hand-computed numbers, the score read at the last real token
+whatever the padding side, runs, resume, learning on the embedded task, the saved model loaded both ways
+(transformers and the `reward_model` reward of rewards.py, whitened), bad input."""
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import interrupt_at_step_2
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
+
+import reward_model as rm
+from rewards import make_reward
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_args(tiny, tmp_path, **kw) -> rm.Args:
+    base = rm.Args(model_name_or_path=str(tiny / "model"), dataset=str(tiny / "data"), output_dir=str(tmp_path),
+                   total_steps=2, batch_size=2, eval_limit=8, eval_every=0, warmup_steps=0, learning_rate=3e-3,
+                   log_every=1)
+    return replace(base, **kw)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def test_preference_loss_hand_computed():
+    chosen, rejected = torch.tensor([2.0, 0.5, -1.0]), torch.tensor([1.0, 1.5, -1.0])
+    # differences 1, -1, 0: -log sigmoid(d) = log(1 + e^-d) = 0.3132617, 1.3132617, log 2
+    plain = rm.preference_loss(chosen, rejected)
+    assert plain.tolist() == pytest.approx([0.3132617, 1.3132617, 0.6931472], abs=1e-6)
+    # margins 0.5, 0, 1 -> differences 0.5, -1, -1: log(1 + e^-0.5) = 0.4740770
+    margin = rm.preference_loss(chosen, rejected, margin=torch.tensor([0.5, 0.0, 1.0]))
+    assert margin.tolist() == pytest.approx([0.4740770, 1.3132617, 1.3132617], abs=1e-6)
+    # centring 0.01 * (r_c + r_r)^2: sums 3, 2, -2 -> + 0.09, 0.04, 0.04
+    both = rm.preference_loss(chosen, rejected, margin=torch.tensor([0.5, 0.0, 1.0]), center_coef=0.01)
+    assert both.tolist() == pytest.approx([0.5640770, 1.3532617, 1.3532617], abs=1e-6)
+    # gradient of the plain loss w.r.t. r_c is -sigmoid(-d): -0.2689414 at d = 1
+    c = chosen.clone().requires_grad_()
+    rm.preference_loss(c, rejected)[0].backward()
+    assert c.grad.tolist() == pytest.approx([-0.2689414, 0.0, 0.0], abs=1e-6)
+
+
+def test_tokenize_pairs_drops_long_pairs_and_refuses_identical_ones():
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny-arith")
+    pairs, dropped = rm.tokenize_pairs(tok, ["1+1=", "2+2="], ["<answer>2</answer>", "<answer>4</answer>" * 9],
+                                       ["<answer>3</answer>", "<answer>5</answer>"], None, 20, "split 'x'")
+    assert dropped == 1 and len(pairs) == 1
+    assert pairs[0][0] == tok("1+1=<answer>2</answer>")["input_ids"] and pairs[0][2] == 0.0
+    with pytest.raises(ValueError, match=r"split 'x', row 1: chosen and rejected are the same text"):
+        rm.tokenize_pairs(tok, ["1+1=", "2+2="], ["a", "4"], ["b", "4"], None, 20, "split 'x'")
+
+
+def tiny_classifier(tiny, arch: str):
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        model = AutoModelForSequenceClassification.from_pretrained(tiny / "model", num_labels=1)
+        rm.init_score_head(model, {"score.weight"})
+    else:  # learned absolute positions: left padding would shift them without the position ids
+        model = GPT2ForSequenceClassification(GPT2Config(vocab_size=103, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                                         pad_token_id=0, eos_token_id=1, num_labels=1))
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_score_is_read_at_the_last_real_token_whatever_the_padding_side(tiny, arch):
+    model = tiny_classifier(tiny, arch)
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 1]]  # the last ends in EOS (id 1), a real token
+    with torch.no_grad():
+        alone = torch.cat([rm.sequence_scores(model, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))
+                           for r in rows])
+        right = rm.sequence_scores(model, *rm.right_pad(rows, pad_id=0))
+        width = max(map(len, rows))
+        left_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        left = rm.sequence_scores(model, left_ids, (left_ids != 0).long())
+        # independent reference: the last hidden state of each unpadded sequence through the score head
+        hidden = [model.base_model(input_ids=torch.tensor([r])).last_hidden_state[0, -1] for r in rows]
+        want = torch.stack([model.score(h)[0] for h in hidden])
+    assert torch.allclose(alone, want, atol=1e-5)
+    assert torch.allclose(right, want, atol=1e-5) and torch.allclose(left, want, atol=1e-5)
+    assert want.std() > 1e-3  # the sequences do get different scores
+
+
+def test_score_head_init_scale(tiny):
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny / "model", num_labels=1)
+    assert rm.init_score_head(model, {"score.weight"}) == ["score.weight"]
+    # H = 32: std 1 / sqrt(33) = 0.174 (HF's own init: 0.02)
+    assert model.score.weight.std().item() == pytest.approx(1 / math.sqrt(33), rel=0.3)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def test_few_step_lora_run_and_the_saved_model_loads_both_ways(tiny, tmp_path):
+    """A LoRA run (the score head trained in full) whose final/ is a plain, merged classifier."""
+    out = rm.main(tiny_args(tiny, tmp_path / "runs", total_steps=3, save_every=2, micro_batch_size=1,
+                            center_rewards_coef=0.01, track=True, lora_r=4, learning_rate=5e-2))
+    run = Path(out["run_dir"])
+    assert json.loads((run / "args.json").read_text())["center_rewards_coef"] == 0.01
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("train/loss", "train/accuracy", "train/margin", "train/reward", "train/grad_norm", "perf/step_s",
+                "perf/tokens_per_s"):
+        assert all(math.isfinite(r[key]) for r in rows), key
+    assert all(r["train/accuracy"] in (0.0, 0.5, 1.0) for r in rows)
+    evals = [r for r in read_metrics(run) if "eval/pref_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3] and all(math.isfinite(r["eval/margin"]) for r in evals)
+    assert (run / "curves.png").stat().st_size > 1000
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    assert list((run / "wandb").rglob("*.wandb"))
+
+    # transformers: the classifier, with the score statistics of the training prompts' chosen completions
+    final = run / "final"
+    weights, base = load_file(final / "model.safetensors"), load_file(tiny / "model" / "model.safetensors")
+    assert "score.weight" in weights and not any("lora" in k for k in weights)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(weights[name], base[name])  # the adapters were trained and merged
+    model = AutoModelForSequenceClassification.from_pretrained(final).eval()
+    tok = AutoTokenizer.from_pretrained(final)
+    assert model.config.architectures == ["Qwen2ForSequenceClassification"]
+    prefs = read_jsonl(tiny / "data" / "prefs.jsonl")
+    with torch.no_grad():
+        scores = [model(**tok(r["prompt"] + r["chosen"], return_tensors="pt")).logits[0, 0].item() for r in prefs]
+    mean, std = model.config.reward_mean, model.config.reward_std
+    assert mean == pytest.approx(sum(scores) / len(scores), abs=1e-4)
+    assert std == pytest.approx(torch.tensor(scores).std().item(), abs=1e-4) and std > 0
+    assert out["final/reward_mean"] == pytest.approx(mean)
+    # rewards.py: the same scores in one padded batch, and whitened with normalize
+    prompts, completions = [r["prompt"] for r in prefs], [r["chosen"] for r in prefs]
+    raw = make_reward({"type": "reward_model", "model": str(final), "device": "cpu"})
+    assert raw(completions, prompts=prompts) == pytest.approx(scores, abs=1e-4)
+    white = make_reward({"type": "reward_model", "model": str(final), "device": "cpu", "normalize": True})
+    assert white(completions, prompts=prompts) == pytest.approx([(s - mean) / std for s in scores], abs=1e-4)
+
+
+def test_micro_batches_give_the_same_update(tiny, tmp_path):
+    """Gradient accumulation: 4 pairs a step in one pass or in 4 passes of 1 give the same loss and weights."""
+    runs = [rm.main(tiny_args(tiny, tmp_path / str(m), batch_size=4, micro_batch_size=m, eval_split=None,
+                              center_rewards_coef=0.1)) for m in (4, 1)]
+    assert runs[0]["train/loss"] == pytest.approx(runs[1]["train/loss"], abs=1e-6)
+    assert runs[0]["train/grad_norm"] == pytest.approx(runs[1]["train/grad_norm"], rel=1e-5)
+    a, b = (load_file(Path(r["run_dir"]) / "final" / "model.safetensors") for r in runs)
+    # Adam divides by sqrt(v): float rounding in near-zero gradients moves weights by a few 1e-6
+    assert all(torch.allclose(a[k], b[k], atol=2e-5) for k in a)
+
+
+def test_resume_equals_straight_run(tiny, tmp_path):
+    """Resume from step 2 of a 4-step non-default run in a copy of its run directory, with no flag but --resume:
+    steps 3-4 and the final weights equal those of the straight run; rows after the checkpoint and a half-written
+    checkpoint are dropped."""
+    kw = {"total_steps": 4, "eval_split": None, "save_every": 2, "micro_batch_size": 1, "center_rewards_coef": 0.1,
+          "lr_schedule": "linear", "warmup_steps": 1}
+    straight = rm.main(tiny_args(tiny, tmp_path / "a", **kw))
+    run = tmp_path / "b" / Path(straight["run_dir"]).name
+    shutil.copytree(straight["run_dir"], run)
+    shutil.rmtree(run / "final")
+    os.replace(run / "checkpoints" / "step_4", run / "checkpoints" / ".tmp-step_4")  # as a kill mid-save leaves it
+    resumed = rm.main(rm.Args(resume=str(run / "checkpoints" / "step_2")))
+    assert resumed["run_dir"] == str(run)
+    for key in ("train/loss", "train/margin", "train/lr", "final/reward_mean"):
+        assert resumed[key] == pytest.approx(straight[key], abs=1e-6), key
+    a = load_file(Path(straight["run_dir"]) / "final" / "model.safetensors")
+    b = load_file(run / "final" / "model.safetensors")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    saved = json.loads((run / "args.json").read_text())
+    assert saved["batch_size"] == 2 and saved["resumed"][0]["step"] == 2 and saved["resumed"][0]["overrides"] == {}
+    with pytest.raises(ValueError, match=r"--center-rewards-coef 0.5 differs from the run's 0.1"):
+        rm.main(rm.Args(resume=str(run / "checkpoints" / "step_2"), center_rewards_coef=0.5))
+
+
+def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
+    cmd = [sys.executable, str(ROOT / "reward_model.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
+           str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--batch-size", "2",
+           "--log-every", "1", "--eval-split", "None"]
+    returncode, rest = interrupt_at_step_2(cmd)
+    assert returncode == 0, rest
+    assert "interrupted: saved" in rest
+    (run,) = tmp_path.iterdir()
+    (ckpt,) = (run / "checkpoints").iterdir()
+    assert (ckpt / "trainer_state.pt").exists() and (run / "curves.png").exists()
+    step = int(ckpt.name.split("_")[1])
+    out = rm.main(rm.Args(resume=str(ckpt), total_steps=step + 1))  # the run's own arguments come back
+    assert out["run_dir"] == str(run) and [r["step"] for r in train_rows(run)][-1] == step + 1
+
+
+def test_learning_on_the_embedded_task(tmp_path):
+    """models/tiny-arith on the first 960 of data/arith's preference pairs, 40 steps of 32 pairs: held-out pair
+    accuracy (200 pairs) rises from its start (0.61: the new head on the LM's features) to 0.75 (measured). A loss
+    with the wrong sign, or scores read at the wrong token, leaves it at or below its start."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "prefs.jsonl").write_text("".join(line + "\n" for line in
+                                              (ROOT / "data/arith/prefs.jsonl").read_text().splitlines()[:960]))
+    shutil.copy(ROOT / "data/arith/prefs_test.jsonl", data / "prefs_test.jsonl")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on two shared cores wait for each other (6x slower measured under load)
+    try:
+        out = rm.main(rm.Args(dataset=str(data), output_dir=str(tmp_path / "runs"), total_steps=40, batch_size=32,
+                              eval_limit=200, eval_every=0))
+    finally:
+        torch.set_num_threads(threads)
+    evals = [r["eval/pref_accuracy"] for r in read_metrics(out["run_dir"]) if "eval/pref_accuracy" in r]
+    assert len(evals) == 2
+    assert evals[1] >= 0.7 and evals[1] >= evals[0] + 0.08
+
+
+def test_instructgpt_pipeline_sft_then_reward_model_then_ppo(tiny, tmp_path):
+    """sft.py -> reward_model.py (from the SFT model) -> ppo.py (from the SFT model) with the learned, whitened
+    reward given as a JSON spec file, a few steps each: PPO's logged scores are the reward model's."""
+    import ppo
+    import sft
+
+    sft_out = sft.main(sft.Args(model_name_or_path=str(tiny / "model"), dataset=str(tiny / "data"),
+                                output_dir=str(tmp_path / "sft"), total_steps=2, batch_size=8, eval_split=None,
+                                warmup_steps=0))
+    policy = str(Path(sft_out["run_dir"]) / "final")
+    rm_out = rm.main(tiny_args(tiny, tmp_path / "rm", model_name_or_path=policy, eval_split=None))
+    spec = tmp_path / "rm_reward.json"
+    spec.write_text(json.dumps({"type": "reward_model", "model": str(Path(rm_out["run_dir"]) / "final"),
+                                "device": "cpu", "normalize": True}))
+    out = ppo.main(ppo.Args(model_name_or_path=policy, dataset=str(tiny / "data"), output_dir=str(tmp_path / "ppo"),
+                            reward=str(spec), total_steps=2, prompts_per_step=4, num_mini_batches=2,
+                            max_completion_length=8, eval_split=None, warmup_steps=0))
+    rows = train_rows(out["run_dir"])
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["rewards/reward_model"]) and r["train/reward"] == r["rewards/reward_model"]
+               for r in rows)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def write_prefs(folder: Path, rows: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+GOOD = {"prompt": "1+1=", "chosen": "<answer>2</answer>", "rejected": "<answer>3</answer>"}
+
+
+@pytest.mark.parametrize("rows,overrides,message", [
+    ([GOOD, {"prompt": "2+2=", "chosen": "4"}], {}, r"prefs.jsonl, line 2: has no column \['rejected'\]"),
+    ([GOOD, {**GOOD, "rejected": GOOD["chosen"]}], {}, r"prefs.jsonl, line 2: 'chosen' and 'rejected' are the same text"),
+    ([GOOD], {"margin_column": "margin"}, r"line 1: has no column \['margin'\]"),
+    ([{**GOOD, "margin": "big"}], {"margin_column": "margin"}, r"line 1: margin 'margin' is 'big', not a number"),
+    ([GOOD], {"chosen_column": "good"}, r"has no column \['good'\].*--chosen-column"),
+])
+def test_bad_data_fails_before_any_work(tiny, tmp_path, rows, overrides, message):
+    data = write_prefs(tmp_path / "data", rows)
+    with pytest.raises(ValueError, match=message):
+        rm.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), eval_split=None, **overrides))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"batch_size": 3, "micro_batch_size": 2}, "use --micro-batch-size 1"),
+    ({"eval_split": "nope"}, "split 'nope' not found"),
+    ({"dataset": "data/nope"}, "dataset 'data/nope' does not exist"),
+    ({"model_name_or_path": "models/nope"}, "model path 'models/nope' does not exist"),
+    ({"device": "cuda"}, "torch sees no CUDA GPU"),
+    ({"dtype": "float16", "device": "cpu"}, "--dtype float16 on CPU"),
+    ({"center_rewards_coef": -1.0}, "--center-rewards-coef must be >= 0"),
+    ({"resume": "runs/nope"}, "no trainer_state.pt there"),
+])
+def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
+    with pytest.raises(ValueError) as e:
+        rm.main(tiny_args(tiny, tmp_path, **overrides))
+    assert message in str(e.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_reward_refuses_a_causal_lm_checkpoint_and_missing_statistics(tiny):
+    """A causal LM loaded as a classifier would score with a random head: refused when the reward is built."""
+    with pytest.raises(ValueError, match=r"is a Qwen2ForCausalLM checkpoint, not a sequence classifier.*reward_model.py"):
+        make_reward({"type": "reward_model", "model": str(tiny / "model")})
+    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM checkpoint, not a sequence classifier"):
+        make_reward({"type": "reward_model", "model": str(ROOT / "models" / "tiny-arith")})
+
+
+def test_normalize_needs_the_statistics(tiny, tmp_path):
+    model = tiny_classifier(tiny, "qwen2")
+    model.save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(tiny / "model").save_pretrained(tmp_path / "rm")
+    assert len(make_reward({"type": "reward_model", "model": str(tmp_path / "rm")})(["a"], prompts=["b"])) == 1
+    with pytest.raises(ValueError, match=r"normalize=true needs reward_mean and reward_std > 0"):
+        make_reward({"type": "reward_model", "model": str(tmp_path / "rm"), "normalize": True})
+
+
+def test_reward_refuses_a_causal_lm_from_the_hub_at_first_use(tiny, monkeypatch):
+    """A hub id has no local config to read when the reward is built: the loaded model's config is checked."""
+    import rewards
+
+    def fake_load(auto_class, model, device="auto", dtype="float32"):  # what loading a causal LM as a classifier gives
+        network = AutoModelForSequenceClassification.from_pretrained(tiny / "model", num_labels=1)
+        return AutoTokenizer.from_pretrained(tiny / "model"), network.eval()
+
+    monkeypatch.setattr(rewards, "load_model", fake_load)
+    reward = make_reward({"type": "reward_model", "model": "some-org/some-causal-lm", "device": "cpu"})
+    with pytest.raises(ValueError, match=r"'some-org/some-causal-lm' is a Qwen2ForCausalLM checkpoint, not a sequence"):
+        reward(["<answer>2</answer>"], prompts=["1+1="])
