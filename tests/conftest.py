@@ -1,4 +1,5 @@
 """Shared test setup: offline, deterministic, importable scripts from the repo root, and the tiny task."""
+import json
 import os
 import sys
 from pathlib import Path
@@ -32,6 +33,16 @@ except ImportError:
 
 
 import pytest  # noqa: E402
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The rows of a run directory's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(run_dir) -> list[dict]:
+    """The training rows (those with train/loss) of a run directory's metrics.jsonl."""
+    return [r for r in read_metrics(run_dir) if "train/loss" in r]
 
 
 def interrupt_at_step_2(cmd: list[str], times: int = 1) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2
+from conftest import interrupt_at_step_2, read_metrics, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -26,14 +26,6 @@ def tiny_args(tiny, tmp_path, **kw) -> hybrid.Args:
                        total_steps=4, prompts_per_step=4, sft_batch_size=4, max_completion_length=8, eval_limit=4,
                        eval_every=0, warmup_steps=0, learning_rate=3e-3, sft_fraction_start=0.5, sft_fraction_end=0.5)
     return replace(base, **kw)
-
-
-def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_rows(run_dir) -> list[dict]:
-    return [r for r in read_metrics(run_dir) if "train/loss" in r]
 
 
 # ----------------------------------------------------------------------------- curriculum

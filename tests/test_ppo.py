@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2
+from conftest import interrupt_at_step_2, read_metrics, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -28,14 +28,6 @@ def tiny_args(tiny, tmp_path, **kw) -> ppo.Args:
                     max_completion_length=8, eval_limit=4, eval_every=0, warmup_steps=0, learning_rate=3e-3,
                     value_learning_rate=3e-3)
     return replace(base, **kw)
-
-
-def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_rows(run_dir) -> list[dict]:
-    return [r for r in read_metrics(run_dir) if "train/loss" in r]
 
 
 # ----------------------------------------------------------------------------- pure functions

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2
+from conftest import interrupt_at_step_2, read_metrics, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
@@ -26,14 +26,6 @@ def tiny_args(tiny, tmp_path, **kw) -> rm.Args:
                    total_steps=2, batch_size=2, eval_limit=8, eval_every=0, warmup_steps=0, learning_rate=3e-3,
                    log_every=1)
     return replace(base, **kw)
-
-
-def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_rows(run_dir) -> list[dict]:
-    return [r for r in read_metrics(run_dir) if "train/loss" in r]
 
 
 def read_jsonl(path) -> list[dict]:

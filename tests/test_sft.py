@@ -4,13 +4,12 @@ import math
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2
+from conftest import interrupt_at_step_2, read_metrics
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -26,10 +25,6 @@ def tiny_args(tiny, tmp_path, **kw) -> sft.Args:
                     total_steps=3, batch_size=8, log_every=1, eval_limit=4, max_new_tokens=8, warmup_steps=0,
                     lr_schedule="constant", learning_rate=1e-3)
     return replace(base, **kw)
-
-
-def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 # ----------------------------------------------------------------------------- pure functions
