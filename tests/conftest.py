@@ -72,6 +72,17 @@ def interrupt_at_step_2(cmd: list[str], times: int = 1) -> tuple[int, str]:
     return proc.returncode, rest
 
 
+def interrupted_run(cmd: list[str], tmp_path) -> tuple:
+    """Run a training script in tmp_path, Ctrl-C it once at step 2, check that it exits cleanly having saved one
+    checkpoint, and return (run directory, checkpoint folder)."""
+    returncode, rest = interrupt_at_step_2(cmd)
+    assert returncode == 0, rest
+    assert "interrupted: saved" in rest
+    (run,) = Path(tmp_path).iterdir()
+    (ckpt,) = (run / "checkpoints").iterdir()
+    return run, ckpt
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A random 2-layer, 32-wide Qwen2 with the task's tokenizer, and a small copy of the task.

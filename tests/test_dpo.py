@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2, read_metrics, train_rows
+from conftest import interrupted_run, read_metrics, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -250,11 +250,7 @@ def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
     cmd = [sys.executable, str(ROOT / "dpo.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
            str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--batch-size", "2",
            "--eval-split", "None", "--pref-eval-split", "None"]
-    returncode, rest = interrupt_at_step_2(cmd)
-    assert returncode == 0, rest
-    assert "interrupted: saved" in rest
-    (run,) = tmp_path.iterdir()
-    (ckpt,) = (run / "checkpoints").iterdir()
+    run, ckpt = interrupted_run(cmd, tmp_path)
     assert (ckpt / "trainer_state.pt").exists() and (run / "curves.png").exists()
     step = int(ckpt.name.split("_")[1])
     out = dpo.main(dpo.Args(resume=str(ckpt), total_steps=step + 1))  # the run's own arguments come back

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2, read_metrics, train_rows
+from conftest import interrupt_at_step_2, interrupted_run, read_metrics, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config
 
@@ -309,11 +309,7 @@ def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
     cmd = [sys.executable, str(ROOT / "grpo.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
            str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--num-generations", "2",
            "--prompts-per-step", "2", "--micro-batch-size", "4", "--max-completion-length", "4", "--eval-split", "None"]
-    returncode, rest = interrupt_at_step_2(cmd)
-    assert returncode == 0, rest
-    assert "interrupted: saved" in rest
-    (run,) = tmp_path.iterdir()
-    (ckpt,) = (run / "checkpoints").iterdir()
+    run, ckpt = interrupted_run(cmd, tmp_path)
     assert (ckpt / "trainer_state.pt").exists() and (run / "curves.png").exists()
     step = int(ckpt.name.split("_")[1])
     out = grpo.main(grpo.Args(resume=str(ckpt), total_steps=step + 1))  # the run's own arguments come back

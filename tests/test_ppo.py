@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2, read_metrics, train_rows
+from conftest import interrupt_at_step_2, interrupted_run, read_metrics, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -213,11 +213,7 @@ def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
     cmd = [sys.executable, str(ROOT / "ppo.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
            str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--prompts-per-step", "2",
            "--num-mini-batches", "1", "--max-completion-length", "4", "--eval-split", "None"]
-    returncode, rest = interrupt_at_step_2(cmd)
-    assert returncode == 0, rest
-    assert "interrupted: saved" in rest
-    (run,) = tmp_path.iterdir()
-    (ckpt,) = (run / "checkpoints").iterdir()
+    run, ckpt = interrupted_run(cmd, tmp_path)
     assert (ckpt / "trainer_state.pt").exists() and (ckpt / "value_model" / "model.safetensors").exists()
     step = int(ckpt.name.split("_")[1])
     out = ppo.main(ppo.Args(resume=str(ckpt), total_steps=step + 1))  # the run's own arguments come back
