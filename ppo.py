@@ -34,7 +34,7 @@ Deviations and choices:
   are. The value after the last real token is 0 (the episode ends), padding gets neither reward nor loss.
 - Defaults are chosen for the embedded model (README): 128 prompts x 1 completion a step, 2 PPO epochs of one
   mini-batch, temperature 0.7, lr 1e-4 (policy) and 1e-3 (value model: it starts from a zero head and must catch
-  up), 30 warmup steps, cosine decay over 400 steps, fixed beta 0.05 with k1 (the KL estimator of the papers).
+  up), 30 warmup steps, cosine decay over 300 steps, fixed beta 0.05 with k1 (the KL estimator of the papers).
   This 0.9M-parameter model is fragile (see grpo.py's docstring): large batches and a small policy lr.
 - One training step = one batch of rollouts, then `--num-ppo-epochs` passes over `--num-mini-batches` shuffled
   mini-batches, each one AdamW update of both models (one optimizer, two parameter groups, each clipped to
@@ -186,7 +186,7 @@ class Args:
     """peak learning rate of AdamW for the policy"""
     value_learning_rate: float = 1e-3
     """peak learning rate of AdamW for the value model"""
-    total_steps: int = 400
+    total_steps: int = 300
     """training steps (batches of rollouts); changed on --resume, the lr decay continues from where it is
     and reaches 0 at the new last step"""
     micro_batch_size: int = 0

@@ -405,3 +405,28 @@ def test_rl_prompt_without_a_demonstration_names_the_fix(tiny, tmp_path):
     with pytest.raises(ValueError, match="have no demonstration in the SFT split 'sft'.*`target` column"):
         hybrid.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), eval_split=None))
     assert not (tmp_path / "out").exists()
+
+
+def test_ablation_benchmark_table_from_finished_runs(tmp_path, capsys):
+    """benchmarks/hybrid_ablation.py --summarize-only: the final accuracy per seed and its mean, the reward of
+    the last 20 PPO steps and the summed step seconds, from runs written here by hand."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import hybrid_ablation
+
+    def fake_run(arm: str, seed: int, acc: float, rewards: list, step_s: float) -> None:
+        run = tmp_path / "t" / f"arith__{arm}__{seed}__1700000000"
+        (run / "final").mkdir(parents=True)
+        rows = [{"step": 0, "eval/accuracy": 0.4}]
+        for step in range(1, len(rewards) + 1):
+            rows.append({"step": step, "perf/step_s": step_s, "train/reward": rewards[step - 1]})
+        rows.append({"step": len(rewards), "eval/accuracy": acc})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    fake_run("curriculum", 1, 0.80, [0.0] * 10 + [1.0] * 20, 0.5)  # the last 20 PPO rewards are all 1
+    fake_run("curriculum", 2, 0.70, [0.5] * 30, 1.5)
+    hybrid_ablation.main(hybrid_ablation.Args(seeds=(1, 2), arms=("curriculum",), output_dir=str(tmp_path), tag="t",
+                                              summarize_only=True))
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| curriculum")][0]
+    # accuracies 80.0 / 70.0, mean 75.0; reward mean of 1.0 and 0.5; seconds mean of 30 x 0.5 and 30 x 1.5
+    assert [c.strip() for c in row.strip("|").split("|")] == ["curriculum", "400", "80.0", "70.0", "**75.0**",
+                                                             "0.75", "30"]
