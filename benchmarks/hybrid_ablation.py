@@ -125,10 +125,10 @@ def main(args: Args) -> None:
               f" | **{statistics.mean(a for a in accs if a is not None):.1f}** | {reward} | "
               f"{statistics.mean(r['seconds'] for r in by_seed.values()):.0f} |")
     if args.plot:
-        draw(results, Path(args.plot), flags)
+        draw(results, Path(args.plot), args.tag if not args.hybrid_flags else f"{args.tag}: {flags}")
 
 
-def draw(results: dict, path: Path, flags: str) -> None:
+def draw(results: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,7 +143,7 @@ def draw(results: dict, path: Path, flags: str) -> None:
             label = arm if k == 0 else None
             axes[0].plot(steps, [100 * a for a in acc], color=color, alpha=0.8, label=label)
             axes[1].plot(share, [100 * a for a in acc], color=color, alpha=0.8, label=label)
-    axes[0].set(xlabel="step", ylabel="greedy accuracy (%)", title=f"hybrid.py ablation, {flags}")
+    axes[0].set(xlabel="step", ylabel="greedy accuracy (%)", title=f"hybrid.py ablation ({title})")
     axes[1].set(xlabel="share of the run's training time", ylabel="greedy accuracy (%)")
     for ax in axes:
         ax.grid(alpha=0.3)
