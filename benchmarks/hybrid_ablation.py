@@ -62,6 +62,10 @@ class Args:
     """extra hybrid.py flags for every arm (after --)"""
 
 
+def arm_steps(args: Args, arm: str) -> int:
+    return {"curriculum": args.curriculum_steps, "sft_only": args.sft_steps, "ppo_only": args.ppo_steps}[arm]
+
+
 def run_dir(root: Path, arm: str, seed: int):
     found = sorted(root.glob(f"*__{arm}__{seed}__*"))
     return found[-1] if found else None
@@ -71,9 +75,8 @@ def launch(args: Args, root: Path, arm: str, seed: int) -> None:
     done = run_dir(root, arm, seed)
     if done is not None and (done / "final").exists():
         return
-    steps = {"curriculum": args.curriculum_steps, "sft_only": args.sft_steps, "ppo_only": args.ppo_steps}[arm]
     cmd = [sys.executable, str(ROOT / "hybrid.py"), "--seed", str(seed), "--exp-name", arm, "--output-dir", str(root),
-           "--total-steps", str(steps), *ARM_FLAGS[arm], *args.hybrid_flags]
+           "--total-steps", str(arm_steps(args, arm)), *ARM_FLAGS[arm], *args.hybrid_flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     log = root / f"{arm}__{seed}.log"
     with log.open("w") as f:
@@ -98,11 +101,11 @@ def summary(path: Path) -> dict:
 
 
 def main(args: Args) -> None:
-    root = Path(args.output_dir) / args.tag
-    root.mkdir(parents=True, exist_ok=True)
     unknown = set(args.arms) - set(ARM_FLAGS)
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}: choose from {list(ARM_FLAGS)}")
+    root = Path(args.output_dir) / args.tag
+    root.mkdir(parents=True, exist_ok=True)
     if not args.summarize_only:
         with ThreadPoolExecutor(args.jobs) as pool:
             for f in [pool.submit(launch, args, root, arm, seed) for seed in args.seeds for arm in args.arms]:
@@ -119,9 +122,8 @@ def main(args: Args) -> None:
             continue
         accs = [100 * by_seed[s]["accuracy"] if s in by_seed else None for s in args.seeds]
         rewards = [r["reward"] for r in by_seed.values() if r["reward"] is not None]
-        steps = {"curriculum": args.curriculum_steps, "sft_only": args.sft_steps, "ppo_only": args.ppo_steps}[arm]
         reward = f"{statistics.mean(rewards):.2f}" if rewards else "—"
-        print(f"| {arm} | {steps} | " + " | ".join("–" if a is None else f"{a:.1f}" for a in accs) +
+        print(f"| {arm} | {arm_steps(args, arm)} | " + " | ".join("–" if a is None else f"{a:.1f}" for a in accs) +
               f" | **{statistics.mean(a for a in accs if a is not None):.1f}** | {reward} | "
               f"{statistics.mean(r['seconds'] for r in by_seed.values()):.0f} |")
     if args.plot:
