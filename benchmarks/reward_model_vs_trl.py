@@ -15,6 +15,10 @@ text token and initialises the head N(0, 1/(H+1)). Held-out pair accuracy is mea
 prefs_test.jsonl, each model scoring texts the way it was trained (TRL's with EOS), with the same function
 (reward_model.sequence_scores).
 
+reward_model.py runs twice: by default, each pair in one row that holds the prefix its two texts share once
+(--pack-pairs: the same scores from about 0.68x the tokens here), and with --no-pack-pairs, two rows a pair as
+TRL does, which separates the plumbing from the packing.
+
 Each trainer runs in its own fresh process (this script called again with --only). "s/step" is the median
 over steps of one optimiser step's wall time (TRL: a TrainerCallback from step begin to step end;
 reward_model.py: its `perf/step_s`, logged every step here); "train s" is the sum over steps.
@@ -40,6 +44,7 @@ import reward_model as rm  # noqa: E402
 
 TRL = "TRL RewardTrainer (no gradient checkpointing)"
 RM = "reward_model.py"
+RM_PLAIN = "reward_model.py --no-pack-pairs"
 
 
 @dataclass
@@ -94,10 +99,10 @@ def run_trl(args: Args, out_dir: str):
     return timer.times, trainer.model, [tokenizer.eos_token_id]
 
 
-def run_rm(args: Args, out_dir: str):
+def run_rm(args: Args, out_dir: str, packed: bool):
     from transformers import AutoModelForSequenceClassification
 
-    out = rm.main(rm.Args(model_name_or_path=args.model, dataset=args.dataset, output_dir=out_dir, seed=args.seed,
+    out = rm.main(rm.Args(pack_pairs=packed, model_name_or_path=args.model, dataset=args.dataset, output_dir=out_dir, seed=args.seed,
                           eval_split=None, total_steps=args.steps, batch_size=args.batch_size,
                           micro_batch_size=args.batch_size, learning_rate=args.learning_rate, warmup_steps=10,
                           lr_schedule="cosine", log_every=1))
@@ -113,7 +118,7 @@ def one(args: Args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        times, model, suffix = run_rm(args, tmp) if args.only == RM else run_trl(args, tmp)
+        times, model, suffix = run_trl(args, tmp) if args.only == TRL else run_rm(args, tmp, packed=args.only == RM)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     test = [json.loads(line) for line in (Path(args.dataset) / "prefs_test.jsonl").read_text().splitlines()]
     encode = lambda key: [tokenizer(r["prompt"] + r[key])["input_ids"] + suffix for r in test]  # noqa: E731
@@ -139,7 +144,7 @@ def main(args: Args) -> dict:
     import transformers
 
     results = {}
-    for name in ((TRL, RM) if args.order == "trl-first" else (RM, TRL)):
+    for name in ((TRL, RM_PLAIN, RM) if args.order == "trl-first" else (RM, RM_PLAIN, TRL)):
         cmd = [sys.executable, __file__, "--only", name, "--steps", str(args.steps), "--batch-size",
                str(args.batch_size), "--learning-rate", str(args.learning_rate), "--threads", str(args.threads),
                "--seed", str(args.seed), "--model", args.model, "--dataset", args.dataset]

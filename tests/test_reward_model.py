@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -92,6 +93,76 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding_side(tiny, ar
     assert want.std() > 1e-3  # the sequences do get different scores
 
 
+def test_pack_pairs_layout_hand_checked():
+    """Row = chosen + the rejected tokens after the shared prefix; the rejected tail sees the prefix and itself,
+    with positions continuing from the prefix; the ends are the two texts' last tokens."""
+    pairs = [([5, 6, 7, 8], [5, 6, 9], 0.5),  # shared prefix 2: row 5 6 7 8 9
+             ([5, 6], [5, 6, 7], 0.0),        # chosen is a prefix of rejected: row 5 6 7
+             ([5, 6, 7], [5, 6], 0.0),        # rejected is a prefix of chosen: it ends inside the prefix
+             ([4], [3, 2], 1.0)]              # nothing shared: row 4 3 2
+    ids, allowed, position_ids, ends, margins = rm.pack_pairs(pairs, pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 0, 0], [5, 6, 7, 0, 0], [4, 3, 2, 0, 0]]
+    assert position_ids[:, :3].tolist() == [[0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 0, 1]]
+    assert position_ids[0].tolist() == [0, 1, 2, 3, 2]
+    assert ends.tolist() == [[3, 4], [1, 2], [2, 1], [0, 2]]
+    assert margins.tolist() == [0.5, 0.0, 0.0, 1.0]
+    seen = lambda b, q: [k for k in range(5) if allowed[b, q, k]]  # noqa: E731
+    assert seen(0, 3) == [0, 1, 2, 3] and seen(0, 4) == [0, 1, 4]  # the tail 9 does not see 7 8
+    assert seen(1, 2) == [0, 1, 2] and seen(3, 1) == [1] and seen(3, 2) == [1, 2]  # 3 2 do not see 4
+    assert all(allowed[b, q, q] for b in range(4) for q in range(5))  # no row of the mask is empty
+
+
+@pytest.mark.parametrize("arch,attn", [("qwen2", "sdpa"), ("qwen2", "eager"), ("gpt2", "sdpa"), ("gpt2", "eager")])
+def test_packed_pairs_give_the_scores_and_gradients_of_separate_sequences(tiny, arch, attn):
+    """The packed forward against each text scored alone (no padding, no custom mask), and its gradient against
+    the plain padded forward's, with rotary (Qwen2) and learned absolute (GPT-2) positions, on sdpa's boolean
+    mask and eager attention's additive one."""
+    model = tiny_classifier(tiny, arch)
+    model.config._attn_implementation = attn
+    pairs = [([5, 6, 7, 8, 9, 10], [5, 6, 7, 11], 0.0), ([5, 12], [5, 12, 13, 14, 15], 0.0),
+             ([16, 17, 18], [16, 17], 0.0), ([19, 20], [21, 22, 23], 0.0), ([7, 8, 9, 1], [7, 8, 9, 2], 0.0)]
+    with torch.no_grad():
+        alone = torch.tensor([[model.score(model.base_model(input_ids=torch.tensor([t])).last_hidden_state[0, -1])[0]
+                               for t in (c, r)] for c, r, _ in pairs])
+        ids, allowed, position_ids, ends, _ = rm.pack_pairs(pairs, pad_id=0)
+        packed = rm.PairScorer(model, packed=True)(ids, allowed, position_ids, ends)
+    assert torch.allclose(packed, alone, atol=1e-5) and alone.std() > 1e-3
+
+    def grads(packed: bool):
+        model.zero_grad()
+        batch = rm.pack_pairs(pairs, 0)[:4] if packed else rm.collate_pairs(pairs, 0)[:2]
+        scores = rm.PairScorer(model, packed)(*batch)
+        rm.preference_loss(scores[:, 0], scores[:, 1], center_coef=0.1).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, packed_grads = grads(False), grads(True)
+    assert plain.keys() == packed_grads.keys()
+    assert all(torch.allclose(packed_grads[n], plain[n], atol=1e-6, rtol=1e-4) for n in plain)
+    assert rm.check_packing(model, pairs, 0, "cpu") is None
+
+
+def test_a_model_that_cannot_take_the_packed_mask_is_scored_unpacked(tiny, tmp_path, monkeypatch, capsys):
+    """A packed forward whose scores are wrong (here: the mask ignored, as an attention implementation without
+    custom masks would) is caught by the check at start; the run then scores the texts in rows of their own and
+    trains exactly as --no-pack-pairs."""
+    def ignore_the_mask(pairs, pad_id):
+        ids, allowed, *rest = PACK(pairs, pad_id)
+        return (ids, torch.ones_like(allowed).tril(), *rest)
+
+    PACK = rm.pack_pairs
+    plain = rm.main(tiny_args(tiny, tmp_path / "plain", pack_pairs=False, eval_split=None))
+    assert "packed in one row each" not in capsys.readouterr().out
+    monkeypatch.setattr(rm, "pack_pairs", ignore_the_mask)
+    why = rm.check_packing(AutoModelForSequenceClassification.from_pretrained(tiny / "model", num_labels=1),
+                           rm.tokenize_pairs(AutoTokenizer.from_pretrained(tiny / "model"), ["1+1=", "2+2="],
+                                             ["<answer>2</answer>"] * 2, ["<answer>3</answer>"] * 2, None, 64, "x")[0],
+                           0, "cpu")
+    assert why is not None and "differ from its plain scores" in why
+    fallback = rm.main(tiny_args(tiny, tmp_path / "fallback", eval_split=None))
+    assert "--pack-pairs: scoring chosen and rejected texts in rows of their own" in capsys.readouterr().out
+    assert fallback["train/loss"] == plain["train/loss"] and fallback["train/grad_norm"] == plain["train/grad_norm"]
+
+
 def test_score_head_init_scale(tiny):
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(tiny / "model", num_labels=1)
@@ -156,6 +227,21 @@ def test_micro_batches_give_the_same_update(tiny, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=2e-5) for k in a)
 
 
+def test_packed_and_plain_runs_train_alike(tiny, tmp_path, capsys):
+    """Three steps with pairs packed (the default) and with --no-pack-pairs: the same losses and weights up to
+    float rounding."""
+    runs = []
+    for packed in (True, False):
+        runs.append(rm.main(tiny_args(tiny, tmp_path / str(packed), total_steps=3, batch_size=4, eval_split=None,
+                                      pack_pairs=packed, center_rewards_coef=0.1)))
+        assert ("packed in one row each" in capsys.readouterr().out) == packed
+    rows = [train_rows(Path(r["run_dir"])) for r in runs]
+    assert [r["train/loss"] for r in rows[0]] == pytest.approx([r["train/loss"] for r in rows[1]], abs=1e-5)
+    assert [r["train/accuracy"] for r in rows[0]] == [r["train/accuracy"] for r in rows[1]]
+    a, b = (load_file(Path(r["run_dir"]) / "final" / "model.safetensors") for r in runs)
+    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+
+
 def test_resume_equals_straight_run(tiny, tmp_path):
     """Resume from step 2 of a 4-step non-default run in a copy of its run directory, with no flag but --resume:
     steps 3-4 and the final weights equal those of the straight run; rows after the checkpoint and a half-written
@@ -191,6 +277,29 @@ def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
     step = int(ckpt.name.split("_")[1])
     out = rm.main(rm.Args(resume=str(ckpt), total_steps=step + 1))  # the run's own arguments come back
     assert out["run_dir"] == str(run) and [r["step"] for r in train_rows(run)][-1] == step + 1
+
+
+def test_torchrun_two_processes_and_resume(tiny, tmp_path):
+    """DDP on CPU (gloo) through the packed pair scorer: two processes train, checkpoint and resume exactly."""
+    def torchrun(*extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "reward_model.py"), "--model-name-or-path", str(tiny / "model"), "--dataset", str(tiny / "data"),
+               "--output-dir", str(tmp_path), "--total-steps", "3", "--batch-size", "4", "--micro-batch-size", "1",
+               "--learning-rate", "3e-3", "--eval-split", "None", "--log-every", "1", *extra]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "packed in one row each" in done.stdout
+
+    torchrun("--save-every", "2")
+    (run,) = tmp_path.iterdir()
+    straight = train_rows(run)
+    (run / "metrics.jsonl").write_text("")
+    torchrun("--resume", str(run / "checkpoints" / "step_2"))
+    (resumed,) = train_rows(run)
+    assert [r["step"] for r in straight] == [1, 2, 3] and resumed["step"] == 3
+    assert resumed["train/loss"] == pytest.approx(straight[2]["train/loss"], abs=1e-6)
+    assert resumed["train/grad_norm"] == pytest.approx(straight[2]["train/grad_norm"], rel=1e-5)
 
 
 def test_learning_on_the_embedded_task(tmp_path):
