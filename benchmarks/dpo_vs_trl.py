@@ -11,8 +11,9 @@ sigmoid loss, beta 0.1, no label smoothing and no RPO/SFT term, a frozen referen
 ending in EOS, AdamW(0.9, 0.99) at a constant learning rate without warmup, gradient clipping at 1,
 no weight decay, dropout off, float32, the same number of threads. TRL runs twice: with gradient
 checkpointing (its default) and without (the same work as dpo.py, which does not checkpoint by default).
-dpo.py runs twice too: as by default (no checkpointing) and with --gradient-checkpointing, the like-for-like
-row for TRL's default.
+dpo.py runs three times: as by default (pairs packed, each pair's shared prefix computed once; no
+checkpointing), with --gradient-checkpointing (the like-for-like row for TRL's default), and with
+--no-pack-pairs (two rows a pair, as TRL: the like-for-like row for TRL without checkpointing).
 
 Then the same table for a randomly initialised small Qwen2 (tiny-arith's shape, 4 layers x 128 wide)
 with a vocabulary of 151,936 (Qwen2's), built from a config, no download: there the lm_head is most of
@@ -51,6 +52,7 @@ TRL_DEFAULT = "TRL DPOTrainer (its default: gradient checkpointing)"
 TRL_PLAIN = "TRL DPOTrainer (no checkpointing)"
 DPO = "dpo.py"
 DPO_CKPT = "dpo.py --gradient-checkpointing"
+DPO_PLAIN = "dpo.py --no-pack-pairs"
 BETA, MAX_NEW_TOKENS = 0.1, 40
 
 
@@ -151,7 +153,8 @@ def run_trl(args: Args, model_path: str, data: str, out_dir: str, batch: int, gr
     return timer.times, trainer.model
 
 
-def run_dpo(args: Args, model_path: str, data: str, out_dir: str, batch: int, gradient_checkpointing: bool):
+def run_dpo(args: Args, model_path: str, data: str, out_dir: str, batch: int, gradient_checkpointing: bool,
+            pack_pairs: bool):
     from transformers import AutoModelForCausalLM
 
     out = dpo.main(dpo.Args(
@@ -159,7 +162,7 @@ def run_dpo(args: Args, model_path: str, data: str, out_dir: str, batch: int, gr
         pref_eval_split=None, total_steps=args.steps, batch_size=batch, micro_batch_size=batch, loss_type="sigmoid",
         beta=BETA, label_smoothing=0.0, rpo_alpha=0.0, learning_rate=args.learning_rate, lr_schedule="constant",
         warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, log_every=1, save_every=0, max_completion_length=1024,
-        max_prompt_length=1024, gradient_checkpointing=gradient_checkpointing))
+        max_prompt_length=1024, gradient_checkpointing=gradient_checkpointing, pack_pairs=pack_pairs))
     rows = [json.loads(line) for line in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     return [r["perf/step_s"] for r in rows if "perf/step_s" in r], AutoModelForCausalLM.from_pretrained(
         Path(out["run_dir"]) / "final")
@@ -177,8 +180,9 @@ def one(args: Args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         data = pairs_file(args, tmp, args.steps * batch)
         with PeakMemory() as memory:
-            if name in (DPO, DPO_CKPT):
-                times, model = run_dpo(args, model_path, data, os.path.join(tmp, "runs"), batch, name == DPO_CKPT)
+            if name in (DPO, DPO_CKPT, DPO_PLAIN):
+                times, model = run_dpo(args, model_path, data, os.path.join(tmp, "runs"), batch, name == DPO_CKPT,
+                                       pack_pairs=name != DPO_PLAIN)
             else:
                 times, model = run_trl(args, model_path, data, os.path.join(tmp, "trl"), batch, name == TRL_DEFAULT)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -228,8 +232,8 @@ def main(args: Args) -> dict:
         return {}
     import transformers
 
-    names = ((TRL_DEFAULT, TRL_PLAIN, DPO, DPO_CKPT) if args.order == "trl-first"
-             else (DPO, DPO_CKPT, TRL_DEFAULT, TRL_PLAIN))
+    names = ((TRL_DEFAULT, TRL_PLAIN, DPO_PLAIN, DPO, DPO_CKPT) if args.order == "trl-first"
+             else (DPO, DPO_CKPT, DPO_PLAIN, TRL_DEFAULT, TRL_PLAIN))
     cases = [("tiny-arith", args.model, args.batch_size)]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
