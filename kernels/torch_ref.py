@@ -268,12 +268,14 @@ class LinearTokenLogprobs(torch.autograd.Function):
             grad_w = torch.zeros(w.shape, device=w.device, dtype=acc_dtype) if need_weight else None
             for r0 in range(0, n, rows):
                 r = slice(r0, r0 + rows)
+                z = matmul_fp32(hidden[r], w.t())
+                # on CUDA dz is written straight in the 16-bit dtype the tensor cores take (one pass, half the
+                # bytes of a float32 dz and a conversion); elsewhere it overwrites z in float32
+                out = torch.empty(z.shape, device=z.device, dtype=hidden.dtype) if hidden.is_cuda else None
                 dz = ctx.ops.grad(
-                    matmul_fp32(hidden[r], w.t()), None, 1.0 / ctx.temperature, targets[r], c0,
-                    row_max[r], log_sum[r], entropy[r],
+                    z, out, 1.0 / ctx.temperature, targets[r], c0, row_max[r], log_sum[r], entropy[r],
                     None if grad_logp is None else grad_logp[r], None if grad_entropy is None else grad_entropy[r],
                 )
-                dz = dz.to(hidden.dtype) if hidden.is_cuda else dz  # 16-bit operands for the tensor cores
                 if need_hidden:
                     matmul_fp32(dz, w, acc=grad_hidden[r])
                 if need_weight:

@@ -481,3 +481,116 @@ def test_token_logprobs_reads_strided_rows_without_a_copy(backend, monkeypatch):
     (want_grad,) = torch.autograd.grad((want[0] + want[1]).sum(), full64)
     torch.testing.assert_close(logp.double(), want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grad.double(), want_grad, atol=2e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- compiled on a CUDA GPU
+# The tests above run the Triton kernels in the interpreter on CPU tensors. These compile them, at real sizes
+# (Qwen2's vocabulary of 151,936 and GPT-2's 50,257, which is not a multiple of 16), and skip without a GPU.
+
+CUDA = pytest.mark.skipif(not (torch.cuda.is_available() and kernels._triton_imports()),
+                          reason="needs a CUDA GPU and triton: the compiled kernels run only there")
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("KERNELS_BACKEND", "triton")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.detach().double() - want.detach()).norm() / want.detach().norm())
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [151_936, 50_257])
+def test_cuda_token_logprobs_compiled_matches_float64(compiled, dtype, vocab):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(256, vocab, device="cuda", generator=gen) * 3).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (256,), device="cuda", generator=gen)
+    weights = torch.randn(256, device="cuda", generator=gen)
+    logp, entropy = token_logprobs(logits, targets, temperature=0.7, with_entropy=True)
+    (grad,) = torch.autograd.grad(backward_pair(logp, entropy, weights), logits)
+    logits64 = logits.detach().double().requires_grad_()
+    want = reference_logprobs(logits64, targets, 0.7)
+    (want_grad,) = torch.autograd.grad(backward_pair(*want, weights), logits64)
+    for g, w in zip((logp, entropy), want):
+        assert g.dtype == torch.float32 and rel_err(g, w) < 1e-5
+    assert grad.dtype == dtype and rel_err(grad, want_grad) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden_size", [896, 3584])
+def test_cuda_linear_token_logprobs_compiled_matches_float64(compiled, dtype, hidden_size):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    n, vocab = 512, 151_936
+    hidden = torch.randn(n, hidden_size, device="cuda", generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) / hidden_size ** 0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    weights = torch.randn(n, device="cuda", generator=gen)
+    logp, entropy = linear_token_logprobs(hidden, weight, targets, with_entropy=True)
+    grads = torch.autograd.grad(backward_pair(logp, entropy, weights), (hidden, weight))
+    hidden64, weight64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
+    want = reference_logprobs(hidden64 @ weight64.T, targets, 1.0)
+    want_grads = torch.autograd.grad(backward_pair(*want, weights), (hidden64, weight64))
+    # float32 operands go through the matrix units as tf32 (about 3e-4 relative), bf16 through bf16
+    tol = 2e-3 if dtype == torch.float32 else 2e-2
+    for g, w in zip((logp, entropy), want):
+        assert g.dtype == torch.float32 and rel_err(g, w) < tol
+    for g, w in zip(grads, want_grads):
+        assert g.dtype == dtype and rel_err(g, w) < tol
+
+
+@CUDA
+def test_cuda_rows_past_two_to_the_31_elements(compiled):
+    """N x V = 16,384 x 151,936 = 2.49e9 > 2^31 bf16 logits: rows past element 2^31 (from row 14,134 on) must
+    be read and written at the right offsets. Checked in float64 on the first and last 64 rows."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    n, vocab = 16_384, 151_936
+    logits = torch.empty(n, vocab, device="cuda", dtype=torch.bfloat16)
+    for i in range(0, n, 2048):
+        logits[i : i + 2048] = torch.randn(min(2048, n - i), vocab, device="cuda", generator=gen) * 3
+    logits.requires_grad_()
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    weights = torch.randn(n, device="cuda", generator=gen)
+    logp = token_logprobs(logits, targets)
+    (grad,) = torch.autograd.grad((logp * weights).sum(), logits)
+    assert torch.isfinite(logp).all() and (logp <= 0).all()
+    rows = torch.cat([torch.arange(64), torch.arange(n - 64, n)]).cuda()
+    part = logits.detach()[rows].double().requires_grad_()
+    want = torch.log_softmax(part, -1).gather(-1, targets[rows, None])[:, 0]
+    (want_grad,) = torch.autograd.grad((want * weights[rows]).sum(), part)
+    assert rel_err(logp[rows], want) < 1e-5 and rel_err(grad[rows], want_grad) < 1e-2
+    del grad, logits
+
+    # the fused linear path at the same N: the logits never exist, each tile's offsets stay small
+    hidden = torch.randn(n, 896, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, 896, device="cuda", generator=gen) / 896 ** 0.5).to(torch.bfloat16).requires_grad_()
+    logp = linear_token_logprobs(hidden, weight, targets)
+    (grad_hidden,) = torch.autograd.grad((logp * weights).sum(), hidden)
+    h64 = hidden.detach()[rows].double().requires_grad_()
+    want = torch.log_softmax(h64 @ weight.detach().double().T, -1).gather(-1, targets[rows, None])[:, 0]
+    (want_grad,) = torch.autograd.grad((want * weights[rows]).sum(), h64)
+    assert rel_err(logp[rows], want) < 2e-2 and rel_err(grad_hidden[rows], want_grad) < 2e-2
+
+
+@CUDA
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_cuda_clipped_policy_loss_compiled_matches_pytorch(monkeypatch, estimator):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n = (1 << 20) + 3  # not a multiple of the block
+    logp = (-torch.rand(n, device="cuda", generator=gen) * 5).requires_grad_()
+    old = logp.detach() + torch.randn(n, device="cuda", generator=gen) * 0.3
+    adv = torch.randn(n, device="cuda", generator=gen)
+    ref = logp.detach() + torch.randn(n, device="cuda", generator=gen) * 0.5
+    out = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KERNELS_BACKEND", backend)
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        loss, kl, clipped = clipped_policy_loss(logp, old, adv, ref_logp=ref, clip_high=0.28, beta=0.04,
+                                                kl_estimator=estimator)
+        (grad,) = torch.autograd.grad(loss.sum() + kl.sum(), logp)
+        out[backend] = (loss, kl, clipped.float(), grad)
+    for a, b in zip(out["triton"], out["torch"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
