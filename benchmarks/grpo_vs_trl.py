@@ -1,7 +1,11 @@
-"""TRL's GRPOTrainer and grpo.py on identical work, one after the other in this process, on CPU.
+"""TRL's GRPOTrainer and grpo.py on identical work, one after the other in this process, on CPU (or one GPU).
 
     python benchmarks/grpo_vs_trl.py                 # 10 steps each
     python benchmarks/grpo_vs_trl.py --steps 30 --order grpo-first
+    python benchmarks/grpo_vs_trl.py --model MODEL --eval-limit 0   # on a CUDA machine: bf16 autocast for both
+
+On a GPU both trainers run with bfloat16 autocast over float32 weights (TRL's bf16=True, grpo.py's default);
+--eval-limit 0 skips the accuracy (a model with random weights scores 0).
 
 Identical work: models/tiny-arith, prompts of data/arith train, rewards.DEFAULT_SPEC (one function for
 both), G = 8, 64 completions per step (8 prompts), at most 40 new tokens, temperature 1 (no top-k /
@@ -94,7 +98,8 @@ def run_trl(args: Args, out_dir: str, gradient_checkpointing: bool) -> tuple[lis
         gradient_accumulation_steps=1, num_generations=G, max_completion_length=MAX_NEW_TOKENS, temperature=1.0,
         top_p=1.0, top_k=0, beta=BETA, num_iterations=1, epsilon=0.2, loss_type=args.loss_type, scale_rewards="group",
         learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9,
-        adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False, report_to="none",
+        adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(), fp16=False, report_to="none",
         save_strategy="no", logging_steps=1, seed=args.seed, disable_dropout=True, dataloader_num_workers=0,
         log_completions=False, gradient_checkpointing=gradient_checkpointing)
     timer = StepTimer()
@@ -129,8 +134,12 @@ def main(args: Args) -> list[dict]:
     test = load_dataset("json", data_files=str(Path(args.dataset) / "test.jsonl"), split="train")
     prompts, answers = list(test["prompt"][: args.eval_limit]), list(test["answer"][: args.eval_limit])
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
     def accuracy(model) -> float:
-        return grpo.greedy_accuracy(model.float().cpu(), tokenizer, prompts, answers, MAX_NEW_TOKENS, "cpu",
+        if not prompts:
+            return float("nan")
+        return grpo.greedy_accuracy(model.float().to(device), tokenizer, prompts, answers, MAX_NEW_TOKENS, device,
                                     [tokenizer.eos_token_id])[0]
 
     start = accuracy(AutoModelForCausalLM.from_pretrained(args.model))
@@ -151,7 +160,8 @@ def main(args: Args) -> list[dict]:
     import trl
     import transformers
 
-    print(f"\nGRPO on CPU ({args.threads} threads, torch {torch.__version__}, transformers {transformers.__version__}, "
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {args.threads} threads"
+    print(f"\nGRPO on {where} ({Path(args.model).name}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"trl {trl.__version__}): {args.steps} steps, G={G}, {COMPLETIONS_PER_STEP} completions/step, "
           f"{MAX_NEW_TOKENS} new tokens, beta={BETA}, loss {args.loss_type}, lr {args.learning_rate} constant")
     print(f"greedy accuracy before training: {start:.3f} ({len(prompts)} test prompts)\n")
