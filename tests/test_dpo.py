@@ -246,8 +246,9 @@ def test_few_step_run_writes_the_run_directory(tiny, tmp_path, loss_type, extra)
     AutoModelForCausalLM.from_pretrained(run / "final")
 
 
-def test_precomputed_reference_logps_equal_on_the_fly(tiny, tmp_path):
-    kw = {"total_steps": 3, "eval_split": None}
+@pytest.mark.parametrize("pack_pairs,weight_atol", [(False, 1e-6), (True, 1e-5)])
+def test_precomputed_reference_logps_equal_on_the_fly(tiny, tmp_path, pack_pairs, weight_atol):
+    kw = {"total_steps": 3, "eval_split": None, "pack_pairs": pack_pairs}
     live = dpo.main(tiny_args(tiny, tmp_path / "a", **kw))
     cached = dpo.main(tiny_args(tiny, tmp_path / "b", precompute_ref_logps=True, **kw))
     for a, b in zip(train_rows(live["run_dir"]), train_rows(cached["run_dir"])):
@@ -256,9 +257,9 @@ def test_precomputed_reference_logps_equal_on_the_fly(tiny, tmp_path):
     assert train_rows(live["run_dir"])[-1]["rewards/margins"] != 0
     a = load_file(Path(live["run_dir"]) / "final" / "model.safetensors")
     b = load_file(Path(cached["run_dir"]) / "final" / "model.safetensors")
-    # the reference's log-probs come from rows padded to another width (the precomputing pass batches the pairs
-    # in data order): float rounding, which Adam's division by sqrt(v) lifts to ~2e-6 in the weights
-    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    # packed, the reference's log-probs come from rows padded to another width (the precomputing pass batches the
+    # pairs in data order): float rounding, which Adam's division by sqrt(v) lifts to 1.7e-6 in the weights
+    assert all(torch.allclose(a[k], b[k], atol=weight_atol) for k in a)
 
 
 def test_micro_batches_give_the_gradient_of_one_batch(tiny, tmp_path):
