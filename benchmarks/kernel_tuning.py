@@ -9,7 +9,6 @@ row kernels. Medians of 10 timed calls (CUDA events) after 2 warm-ups, on fresh 
 """
 import dataclasses
 import importlib.util
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,23 +18,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 
 
-def median_ms(fn, repeats: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def load_kernels_benchmark():
+    """benchmarks/kernels.py as a module (its name would clash with the kernels package): its Clock and TRL call."""
+    spec = importlib.util.spec_from_file_location("kernels_benchmark", Path(__file__).with_name("kernels.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernel_tuning.py needs a CUDA GPU")
+    bench = load_kernels_benchmark()
+    median_ms = bench.Clock(torch.device("cuda"), repeats=10).ms  # CUDA events, 2 warm-ups, median of 10
     module = kernels._triton_module(False)
     base_ops, base_launch = module.TRITON_OPS, module._launch
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -51,9 +46,6 @@ def main() -> None:
         step = lambda f: torch.autograd.grad((f() * g).sum(), (hidden, weight))  # noqa: E731
         try:
             # benchmarks/kernels.py's TRL call (its chunk of 32,768, as TRL's trainer uses it)
-            spec = importlib.util.spec_from_file_location("kernels_benchmark", Path(__file__).with_name("kernels.py"))
-            bench = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(bench)
             trl_ms = median_ms(lambda: step(lambda: bench.trl_logprobs(hidden, weight, targets)))
         except Exception as e:  # noqa: BLE001
             print(f"(TRL not timed: {type(e).__name__}: {e})")

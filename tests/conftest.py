@@ -45,6 +45,19 @@ def train_rows(run_dir) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "train/loss" in r]
 
 
+def run_torchrun(script: str, *args: str) -> str:
+    """Run ROOT/script under torchrun with 2 processes (gloo on CPU, one thread each), assert it succeeded;
+    -> its stdout."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(ROOT / script),
+           *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
 def interrupt_at_step_2(cmd: list[str], times: int = 1) -> tuple[int, str]:
     """Run a training script, send SIGINT (like Ctrl-C) `times` times once it logs step 2, and return its exit
     code and the output after that line."""

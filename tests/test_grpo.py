@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2, interrupted_run, read_metrics, train_rows
+from conftest import interrupt_at_step_2, interrupted_run, read_metrics, run_torchrun, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config
 
@@ -329,14 +329,11 @@ def test_second_ctrl_c_quits_at_once_with_one_line(tiny, tmp_path):
 def test_torchrun_two_processes_and_resume(tiny, tmp_path):
     """DDP on CPU (gloo): two processes train, checkpoint their own data orders and RNGs, and resume exactly."""
     def torchrun(*extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "grpo.py"), "--model-name-or-path", str(tiny / "model"), "--dataset", str(tiny / "data"), "--output-dir",
-               str(tmp_path), "--total-steps", "3", "--num-generations", "4", "--prompts-per-step", "4",
-               "--micro-batch-size", "4", "--max-completion-length", "8", "--reward", "capitalization",
-               "--scale-rewards", "batch", "--loss-type", "dapo", "--learning-rate", "3e-3", "--eval-split", "None", *extra]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        run_torchrun("grpo.py", "--model-name-or-path", str(tiny / "model"), "--dataset", str(tiny / "data"),
+                     "--output-dir", str(tmp_path), "--total-steps", "3", "--num-generations", "4", "--prompts-per-step",
+                     "4", "--micro-batch-size", "4", "--max-completion-length", "8", "--reward", "capitalization",
+                     "--scale-rewards", "batch", "--loss-type", "dapo", "--learning-rate", "3e-3", "--eval-split", "None",
+                     *extra)
 
     torchrun("--save-every", "2")
     (run,) = tmp_path.iterdir()

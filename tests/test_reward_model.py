@@ -5,14 +5,13 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupted_run, read_metrics, train_rows
+from conftest import interrupted_run, read_metrics, run_torchrun, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
@@ -282,14 +281,11 @@ def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
 def test_torchrun_two_processes_and_resume(tiny, tmp_path):
     """DDP on CPU (gloo) through the packed pair scorer: two processes train, checkpoint and resume exactly."""
     def torchrun(*extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "reward_model.py"), "--model-name-or-path", str(tiny / "model"), "--dataset", str(tiny / "data"),
-               "--output-dir", str(tmp_path), "--total-steps", "3", "--batch-size", "4", "--micro-batch-size", "1",
-               "--learning-rate", "3e-3", "--eval-split", "None", "--log-every", "1", *extra]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "packed in one row each" in done.stdout
+        out = run_torchrun("reward_model.py", "--model-name-or-path", str(tiny / "model"), "--dataset", str(tiny / "data"),
+                           "--output-dir", str(tmp_path), "--total-steps", "3", "--batch-size", "4",
+                           "--micro-batch-size", "1", "--learning-rate", "3e-3", "--eval-split", "None", "--log-every",
+                           "1", *extra)
+        assert "packed in one row each" in out
 
     torchrun("--save-every", "2")
     (run,) = tmp_path.iterdir()
