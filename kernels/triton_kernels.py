@@ -137,8 +137,9 @@ def grad_tile(x, out, inv_t, targets, vocab_start, row_max, log_sum, entropy, gr
 
 # token_logprobs hands all rows to one launch (the kernels hold no tile); the fused-linear matmul
 # tile is 64M float32 (256 MB), next to 5 GB of bfloat16 logits for 16k tokens x 151,936 vocab.
-# Measured on an H100 (benchmarks/kernel_tuning.py): BLOCK 4096 x 8 warps was the fastest of seven row-kernel
-# launches; tiles of 2^26 to 2^28 elements were within 5% of this one, 2^25 was 9% slower.
+# Measured on an H100 (benchmarks/kernel_tuning.py, two runs): BLOCK 4096 x 8 warps and 8192 x 8 were the fastest of
+# seven row-kernel launches, within run-to-run noise of each other; tiles of 2^26 to 2^28 elements were within 5% of
+# this one, 2^25 was 5-9% slower.
 TRITON_OPS = TileOps(fold=fold_tile, grad=grad_tile, chunk_elements=1 << 62, tile_elements=1 << 26, max_rows=4096)
 
 
