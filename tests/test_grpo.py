@@ -2,8 +2,6 @@
 log-probs against `generate`'s own logits, dynamic sampling, runs, resume, learning, bad input."""
 import json
 import math
-import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -12,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2, interrupted_run, read_metrics, run_torchrun, train_rows
+from conftest import read_metrics, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config
 
@@ -209,7 +207,6 @@ def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
     # overlong filtering: a batch of only truncated completions has no loss tokens, hence no gradient
     assert all((r["train/grad_norm"] == 0) == (r["train/truncated_frac"] == 1) for r in rows)
     assert {r["step"] for r in read_metrics(run) if "eval/accuracy" in r} == {0, 3}
-    assert (run / "curves.png").stat().st_size > 1000
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
     state = torch.load(run / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 3 and "reward" in state
@@ -255,32 +252,7 @@ def test_skipping_zero_advantage_completions_changes_nothing(tiny, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
-def test_resume_equals_straight_run(tiny, tmp_path):
-    """Resume from step 2 of a 4-step non-default run (mid-way through the cosine decay) in a copy of its run
-    directory, with no flag but --resume: the run's own arguments come back, steps 3-4 and the final weights equal
-    those of the run that went straight through, and metrics logged after the checkpoint (a killed run's) and a
-    half-written checkpoint are dropped."""
-    kw = {"total_steps": 4, "eval_split": None, "num_iterations": 2, "beta": 0.04, "save_every": 2}
-    straight = grpo.main(tiny_args(tiny, tmp_path / "a", **kw))
-    run = tmp_path / "b" / Path(straight["run_dir"]).name
-    shutil.copytree(straight["run_dir"], run)
-    shutil.rmtree(run / "final")
-    os.replace(run / "checkpoints" / "step_4", run / "checkpoints" / ".tmp-step_4")  # as a kill mid-save leaves it
-    resumed = grpo.main(grpo.Args(resume=str(run / "checkpoints" / "step_2")))
-    assert resumed["run_dir"] == str(run)
-    assert resumed["train/reward"] == straight["train/reward"]
-    assert resumed["train/loss"] == pytest.approx(straight["train/loss"], abs=1e-6)
-    assert resumed["train/lr"] == straight["train/lr"] > 0
-    a = load_file(Path(straight["run_dir"]) / "final" / "model.safetensors")
-    b = load_file(run / "final" / "model.safetensors")
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-    assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4]  # no duplicate rows for steps 3-4
-    assert not list((run / "checkpoints").glob(".tmp-*"))
-    saved = json.loads((run / "args.json").read_text())
-    assert saved["prompts_per_step"] == 2 and saved["resumed"][0]["step"] == 2 and saved["resumed"][0]["overrides"] == {}
-
-
-def test_resume_overrides_cadence_and_refuses_algorithm_changes(tiny, tmp_path):
+def test_resume_with_more_steps_continues_the_lr_decay(tiny, tmp_path):
     kw = {"total_steps": 4, "eval_split": None, "save_every": 2, "lr_schedule": "linear"}
     first = grpo.main(tiny_args(tiny, tmp_path, **kw))
     ckpt = Path(first["run_dir"]) / "checkpoints" / "step_2"
@@ -303,48 +275,6 @@ def test_lr_factor_anchor_continues_the_decay():
     assert grpo.lr_factor(13, 2, 20, "cosine", (6, f6)) == pytest.approx(f6 * 0.5)
     assert grpo.lr_factor(20, 2, 20, "cosine", (6, f6)) == pytest.approx(0.0)
     assert grpo.lr_factor(1, 2, 20, "cosine", (1, 1.0)) == 1.0  # an anchor inside warmup changes nothing
-
-
-def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
-    cmd = [sys.executable, str(ROOT / "grpo.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
-           str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--num-generations", "2",
-           "--prompts-per-step", "2", "--micro-batch-size", "4", "--max-completion-length", "4", "--eval-split", "None"]
-    run, ckpt = interrupted_run(cmd, tmp_path)
-    assert (ckpt / "trainer_state.pt").exists() and (run / "curves.png").exists()
-    step = int(ckpt.name.split("_")[1])
-    out = grpo.main(grpo.Args(resume=str(ckpt), total_steps=step + 1))  # the run's own arguments come back
-    assert out["run_dir"] == str(run) and [r["step"] for r in train_rows(run)][-1] == step + 1
-
-
-def test_second_ctrl_c_quits_at_once_with_one_line(tiny, tmp_path):
-    cmd = [sys.executable, str(ROOT / "grpo.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
-           str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--num-generations", "2",
-           "--prompts-per-step", "2", "--max-completion-length", "4", "--eval-split", "None"]
-    returncode, rest = interrupt_at_step_2(cmd, times=2)
-    assert returncode == 130, rest
-    assert "Ctrl-C: finishing step" in rest and "interrupted again: quit without saving" in rest
-    assert "Traceback" not in rest
-
-
-def test_torchrun_two_processes_and_resume(tiny, tmp_path):
-    """DDP on CPU (gloo): two processes train, checkpoint their own data orders and RNGs, and resume exactly."""
-    def torchrun(*extra):
-        run_torchrun("grpo.py", "--model-name-or-path", str(tiny / "model"), "--dataset", str(tiny / "data"),
-                     "--output-dir", str(tmp_path), "--total-steps", "3", "--num-generations", "4", "--prompts-per-step",
-                     "4", "--micro-batch-size", "4", "--max-completion-length", "8", "--reward", "capitalization",
-                     "--scale-rewards", "batch", "--loss-type", "dapo", "--learning-rate", "3e-3", "--eval-split", "None",
-                     *extra)
-
-    torchrun("--save-every", "2")
-    (run,) = tmp_path.iterdir()
-    straight = train_rows(run)
-    (run / "metrics.jsonl").write_text("")
-    torchrun("--resume", str(run / "checkpoints" / "step_2"))
-    (resumed,) = train_rows(run)
-    assert [r["step"] for r in straight] == [1, 2, 3] and resumed["step"] == 3
-    assert resumed["train/loss"] == pytest.approx(straight[2]["train/loss"], abs=1e-6)
-    assert resumed["train/reward"] == straight[2]["train/reward"]
-    assert resumed["train/grad_norm"] == pytest.approx(straight[2]["train/grad_norm"], rel=1e-5)
 
 
 def test_learning_raises_the_reward(tiny, tmp_path):
@@ -381,14 +311,6 @@ def test_learning_on_the_embedded_task(tmp_path):
     ({"max_completion_length": 0}, "--max-completion-length must be positive"),
     ({"reward": "correctness,bogus"}, "unknown reward type 'bogus'"),
     ({"reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),
-    ({"dataset_split": "nope"}, "split 'nope' not found"),
-    ({"dataset": "data/nope"}, "dataset 'data/nope' does not exist"),
-    ({"dataset": "nope.jsonl"}, "dataset 'nope.jsonl' does not exist"),
-    ({"dataset": "someone/some-dataset"}, "HF_HUB_OFFLINE=1 forbids the Hugging Face Hub"),
-    ({"model_name_or_path": "models/nope"}, "model path 'models/nope' does not exist"),
-    ({"model_name_or_path": "data"}, "'data' is not a model folder: it has no config.json"),
-    ({"device": "cuda"}, "torch sees no CUDA GPU"),
-    ({"dtype": "float16", "device": "cpu"}, "--dtype float16 on CPU"),
     ({"prompts_per_step": 3, "num_generations": 4, "micro_batch_size": 8}, "use --micro-batch-size 6"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
@@ -396,30 +318,6 @@ def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
         grpo.main(tiny_args(tiny, tmp_path, **overrides))
     assert message in str(e.value)
     assert not any(tmp_path.iterdir())  # no run directory was created
-
-
-@pytest.mark.parametrize("content,message", [
-    ("", "is empty: it needs at least one JSON line"),
-    ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", answer: 4}\n', "line 2: not valid JSON"),
-    ('["1+1=", "2"]\n', "line 1: expected a JSON object"),
-])
-def test_bad_jsonl_names_file_and_line(tiny, tmp_path, content, message):
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "train.jsonl").write_text(content)
-    with pytest.raises(ValueError, match=message) as e:
-        grpo.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), eval_split=None))
-    assert str(data / "train.jsonl") in str(e.value) and not (tmp_path / "out").exists()
-
-
-def test_track_without_wandb_login_fails_first(tiny, tmp_path, monkeypatch):
-    for var in ("WANDB_MODE", "WANDB_API_KEY"):
-        monkeypatch.delenv(var, raising=False)
-    (tmp_path / "netrc").write_text("")
-    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    with pytest.raises(ValueError, match="wandb login.*WANDB_MODE=offline"):
-        grpo.main(tiny_args(tiny, tmp_path / "out", track=True))
-    assert not (tmp_path / "out").exists()
 
 
 def test_default_micro_batch_fits_the_batch(tiny, tmp_path):

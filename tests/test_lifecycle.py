@@ -1,0 +1,208 @@
+"""The run plumbing every LLM script shares, tested once over all six: the block is byte-identical, resume equals a
+straight run, resume refuses algorithm changes, Ctrl-C once saves and twice quits, torchrun, bad input fails first."""
+import importlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import interrupt_at_step_2, interrupted_run, run_torchrun, train_rows
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ["grpo", "ppo", "dpo", "hybrid", "reward_model", "sft"]
+# a few fast steps of each script on the tiny random model (conftest's `tiny`)
+TINY = {
+    "grpo": dict(reward="capitalization", total_steps=2, num_generations=4, prompts_per_step=4, micro_batch_size=4,
+                 max_completion_length=8, eval_limit=4, warmup_steps=0, learning_rate=3e-3, scale_rewards="batch",
+                 loss_type="dapo"),  # the two options that gather over processes
+    "ppo": dict(reward="capitalization", total_steps=2, prompts_per_step=4, num_mini_batches=2, max_completion_length=8,
+                eval_limit=4, warmup_steps=0, learning_rate=3e-3, value_learning_rate=3e-3),
+    "dpo": dict(total_steps=2, batch_size=4, micro_batch_size=2, eval_limit=4, warmup_steps=0, learning_rate=3e-3),
+    "hybrid": dict(total_steps=2, prompts_per_step=4, sft_batch_size=4, max_completion_length=8, eval_limit=4,
+                   warmup_steps=0, learning_rate=3e-3, sft_fraction_start=0.5, sft_fraction_end=0.5),
+    "reward_model": dict(total_steps=2, batch_size=2, eval_limit=8, warmup_steps=0, learning_rate=3e-3),
+    "sft": dict(total_steps=2, batch_size=8, eval_limit=4, max_new_tokens=8, warmup_steps=0, learning_rate=1e-3),
+}
+
+
+def module(script: str):
+    return importlib.import_module(script)
+
+
+def tiny_args(script, tiny, out, **kw):
+    m = module(script)
+    return replace(m.Args(model_name_or_path=str(tiny / "model"), dataset=str(tiny / "data"), output_dir=str(out),
+                          eval_every=0, **TINY[script]), **kw)
+
+
+def cli(script, tiny, out, **kw) -> list[str]:
+    """The command line of tiny_args(script, tiny, out, **kw)."""
+    flags = {"model_name_or_path": tiny / "model", "dataset": tiny / "data", "output_dir": out, "eval_every": 0,
+             **TINY[script], **kw}
+    return [sys.executable, str(ROOT / f"{script}.py")] + [x for k, v in flags.items()
+                                                            for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def plumbing(script: str) -> str:
+    lines = (ROOT / f"{script}.py").read_text().splitlines(keepends=True)
+    start = [i for i, line in enumerate(lines) if line.startswith("# ---- plumbing")]
+    end = [i for i, line in enumerate(lines) if line.startswith('if __name__ == "__main__":')]
+    assert len(start) == 1 and len(end) == 1 and start[0] < end[0], script
+    return "".join(lines[start[0] : end[0]])
+
+
+def test_the_plumbing_block_is_byte_identical_and_comes_last():
+    blocks = {s: plumbing(s) for s in SCRIPTS}
+    differ = [s for s in SCRIPTS if blocks[s] != blocks["grpo"]]
+    assert not differ, f"the plumbing block of {differ} differs from grpo.py's: copy it byte for byte"
+    for s in SCRIPTS:
+        head = (ROOT / f"{s}.py").read_text().split("# ---- plumbing")[0]
+        assert "def main(" in head, f"{s}.py: main() must come before the plumbing block"
+    for s in SCRIPTS + ["capacity_ppo"]:
+        assert "matplotlib" not in (ROOT / f"{s}.py").read_text(), f"{s}.py imports matplotlib: plotting is plot.py's"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resume_equals_straight_run(tiny, tmp_path, script):
+    """Resume at step 2 of 4 in a copy of the run directory, with no flag but --resume: the run's own arguments come
+    back, steps 3-4 and the final weights equal the straight run's, and a killed run's leftovers (metrics logged after
+    the checkpoint, a half-written checkpoint) are dropped."""
+    m = module(script)
+    straight = m.main(tiny_args(script, tiny, tmp_path / "a", total_steps=4, save_every=2, eval_split=None))
+    run = tmp_path / "b" / Path(straight["run_dir"]).name
+    shutil.copytree(straight["run_dir"], run)
+    shutil.rmtree(run / "final")
+    os.replace(run / "checkpoints" / "step_4", run / "checkpoints" / ".tmp-step_4")  # as a kill mid-save leaves it
+    resumed = m.main(m.Args(resume=str(run / "checkpoints" / "step_2")))
+    assert resumed["run_dir"] == str(run) and not resumed["interrupted"]
+    rows = lambda d: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in train_rows(d)]  # noqa: E731
+    a, b = rows(straight["run_dir"]), rows(run)
+    assert [r["step"] for r in b] == [r["step"] for r in a] and a[-1]["step"] == 4  # no duplicate rows
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() and all(y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6) for k in x), (x, y)
+    wa, wb = (load_file(next((Path(d) / "final").glob("*.safetensors"))) for d in (straight["run_dir"], run))
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    saved = json.loads((run / "args.json").read_text())
+    assert saved["total_steps"] == 4 and saved["resumed"] == [
+        {"step": 2, "checkpoint": str(run / "checkpoints" / "step_2"), "overrides": {}}]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resume_takes_cadence_flags_and_refuses_the_rest(tiny, tmp_path, script):
+    m = module(script)
+    first = m.main(tiny_args(script, tiny, tmp_path, save_every=1, total_steps=1, eval_split=None))
+    ckpt = str(Path(first["run_dir"]) / "checkpoints" / "step_1")
+    with pytest.raises(ValueError, match=r"--learning-rate 0.5 differs from the run's .*cannot change on resume"):
+        m.main(m.Args(resume=ckpt, learning_rate=0.5))
+    with pytest.raises(ValueError, match=r"no trainer_state.pt there"):
+        m.main(m.Args(resume=str(tmp_path)))
+    out = m.main(m.Args(resume=ckpt, eval_limit=3))
+    assert out["step"] == 1
+    saved = json.loads((Path(first["run_dir"]) / "args.json").read_text())
+    assert saved["eval_limit"] == TINY[script]["eval_limit"] and saved["resumed"][-1]["overrides"] == {
+        "eval_limit": [TINY[script]["eval_limit"], 3]}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ctrl_c_saves_a_checkpoint_and_a_second_quits_at_once(tiny, tmp_path, script):
+    run, ckpt = interrupted_run(cli(script, tiny, tmp_path / "a", total_steps=100000, eval_split=None), tmp_path / "a")
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    assert ckpt.name == f"step_{state['step']}" and state["step"] >= 2 and not (run / "final").exists()
+    assert train_rows(run)[-1]["step"] == state["step"]
+    returncode, rest = interrupt_at_step_2(cli(script, tiny, tmp_path / "b", total_steps=100000, eval_split=None), 2)
+    assert returncode == 130, rest
+    assert "Ctrl-C: finishing step" in rest and "interrupted again: quit without saving" in rest
+    assert "Traceback" not in rest
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_torchrun_two_processes_resume_exactly(tiny, tmp_path, script):
+    """DDP on CPU (gloo): two processes train 3 steps; resumed at step 2, step 3 comes out the same."""
+    flags = cli(script, tiny, tmp_path, total_steps=3, eval_split=None)[2:]
+    out = run_torchrun(f"{script}.py", *flags, "--save-every", "2")
+    (run,) = tmp_path.iterdir()
+    straight = train_rows(run)
+    assert [r["step"] for r in straight] == [1, 2, 3] and "final model:" in out
+    (run / "metrics.jsonl").write_text("")
+    run_torchrun(f"{script}.py", "--resume", str(run / "checkpoints" / "step_2"))
+    (resumed,) = train_rows(run)
+    assert resumed["step"] == 3
+    for k in resumed:
+        if k.startswith(("train/", "rewards/")):
+            assert resumed[k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
+
+
+def test_the_end_of_a_run_says_what_it_reached_and_where_final_is(tiny, tmp_path, capsys):
+    out = module("grpo").main(tiny_args("grpo", tiny, tmp_path))
+    printed = capsys.readouterr().out
+    assert f"final model: {out['run_dir']}/final" in printed
+    assert "eval/accuracy 0 -> " in printed and "eval at step 0: eval/accuracy" in printed
+
+
+BAD = [
+    ({"device": "cuda"}, "torch sees no CUDA GPU"),
+    ({"device": "tpu"}, "--device tpu: use auto, cpu, cuda or cuda:N"),
+    ({"dtype": "float16", "device": "cpu"}, "--dtype float16 on CPU"),
+    ({"model_name_or_path": "models/nope"}, "model 'models/nope' does not exist"),
+    ({"model_name_or_path": "data"}, "'data' is not a model folder: it has no config.json"),
+    ({"dataset": "data/nope"}, "dataset 'data/nope' does not exist"),
+    ({"dataset": "nope.jsonl"}, "dataset 'nope.jsonl' does not exist"),
+    ({"dataset": "someone/some-dataset"}, "HF_HUB_OFFLINE=1 forbids the Hugging Face Hub"),
+    ({"model_name_or_path": "someone/some-model"}, "HF_HUB_OFFLINE=1 forbids the Hugging Face Hub"),
+    ({"total_steps": 0}, "--total-steps must be positive, got 0"),
+    ({"learning_rate": -1.0}, "--learning-rate must be positive"),
+    ({"save_every": -1}, "--save-every must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("change,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_fails_before_any_work(tiny, tmp_path, script, change, message):
+    args = tiny_args(script, tiny, tmp_path / "out", **change)
+    with pytest.raises(ValueError) as e:
+        module(script).main(args)
+    assert message in str(e.value)
+    assert not (tmp_path / "out").exists()  # no run directory was created
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("content,message", [
+    ("", "is empty: it needs at least one JSON line"),
+    ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", answer: 4}\n', "line 2: not valid JSON"),
+    ('["1+1=", "2"]\n', "line 1: expected a JSON object"),
+    (None, "not found"),
+])
+def test_bad_data_names_the_file_and_line(tiny, tmp_path, script, content, message):
+    """Every split the script reads is checked before any work: each one in turn is broken."""
+    a = module(script).Args()
+    splits = sorted({v for k, v in vars(a).items() if k.endswith("split") and isinstance(v, str)})
+    assert len(splits) >= 2  # a training split and an eval split at least
+    for split in splits:
+        data = tmp_path / f"data-{split}"
+        shutil.copytree(tiny / "data", data)
+        if content is None:
+            (data / f"{split}.jsonl").unlink()
+        else:
+            (data / f"{split}.jsonl").write_text(content)
+        with pytest.raises(ValueError) as e:
+            module(script).main(tiny_args(script, tiny, tmp_path / "out", dataset=str(data)))
+        assert message in str(e.value) and f"{split}.jsonl" in str(e.value), (split, str(e.value))
+        assert not (tmp_path / "out").exists()
+
+
+def test_track_without_a_wandb_login_fails_first(tiny, tmp_path, monkeypatch):
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    for script in SCRIPTS:
+        with pytest.raises(ValueError, match="wandb login.*WANDB_MODE=offline"):
+            module(script).main(tiny_args(script, tiny, tmp_path / "out", track=True))
+        assert not (tmp_path / "out").exists()
