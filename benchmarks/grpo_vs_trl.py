@@ -139,7 +139,7 @@ def main(args: Args) -> list[dict]:
     def accuracy(model) -> float:
         if not prompts:
             return float("nan")
-        return grpo.greedy_accuracy(model.float().to(device), tokenizer, prompts, answers, MAX_NEW_TOKENS, device,
+        return grpo.greedy_accuracy(model.float().to(device), tokenizer, prompts, answers, MAX_NEW_TOKENS,
                                     [tokenizer.eos_token_id])[0]
 
     start = accuracy(AutoModelForCausalLM.from_pretrained(args.model))
