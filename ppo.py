@@ -1,75 +1,54 @@
 """PPO-RLHF: a policy and a separate value model, a per-token KL reward, GAE and an adaptive KL coefficient.
 
-The classic RLHF loop (Ziegler et al., arXiv:1909.08593; InstructGPT, arXiv:2203.02155), following "The N+
-Implementation Details of RLHF with PPO" (Huang et al., arXiv:2403.17031; "N+" below, Sec. 4 and 7):
-    1. sample a completion o for each prompt q from pi_old, and score it: s = R(q, o)  (- the missing-EOS penalty)
-    2. per-token reward  r_t = -beta KL_t + [t = last token] s,  KL_t = log pi_old(o_t) - log pi_ref(o_t)
-                                                                (Eq. 2 of arXiv:2203.02155, spread over tokens)
-    3. GAE with the value model's V_t:  delta_t = r_t + gamma V_t+1 - V_t,  A_t = sum_l (gamma lam)^l delta_t+l,
-       R_t = A_t + V_t                                          (Eq. 16 of arXiv:1506.02438)
-    4. several epochs of shuffled mini-batches minimising (Eq. 7 and 9 of arXiv:1707.06347)
-         -min(rho A, clip(rho, 1-eps, 1+eps) A) + vf_coef 0.5 max((V-R)^2, (clip(V, V_old +- eps_v) - R)^2)
-         - entropy_coef H,   rho = pi(o_t) / pi_old(o_t)
+The RLHF loop of Ziegler et al. (arXiv:1909.08593) and InstructGPT (arXiv:2203.02155), following "The N+
+Implementation Details of RLHF with PPO" (arXiv:2403.17031, "N+"):
+    1. sample a completion o of each prompt q from pi_old, score it: s = R(q, o) (- the missing-EOS penalty)
+    2. per-token reward r_t = -beta KL_t + [t = last token] s, KL_t = log pi_old(o_t) - log pi_ref(o_t)
+                                                                          (Eq. 2 of arXiv:2203.02155, over tokens)
+    3. GAE: delta_t = r_t + gamma V_t+1 - V_t, A_t = sum_l (gamma lam)^l delta_t+l, R_t = A_t + V_t
+                                                                          (Eq. 16 of arXiv:1506.02438)
+    4. epochs of shuffled mini-batches minimising (Eq. 7 and 9 of arXiv:1707.06347)
+         -min(rho A, clip(rho, 1-eps, 1+eps) A) + vf_coef 0.5 max((V-R)^2, (clip(V, V_old +- eps_v) - R)^2) - ent_coef H
     5. adapt beta to the batch's KL (Sec. 2.2 of arXiv:1909.08593).
 
 Run:
-    python ppo.py                                                 # embedded: models/tiny-arith on data/arith
+    python ppo.py                                                 # models/tiny-arith on data/arith, CPU
     python ppo.py --kl-controller adaptive --kl-target 1.0        # Ziegler's adaptive KL coefficient
-    python ppo.py --reward rm_reward.json  # a learned reward model: {"type": "reward_model", "model": "runs/<rm-run>/final"}
-    python ppo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template \
-        --dataset my/hub-dataset --dataset-split train --eval-split test --max-completion-length 512 \
-        --prompts-per-step 64 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16   # any HF causal LM
-    torchrun --nproc-per-node 2 ppo.py                           # data parallel (DDP), gloo on CPU, nccl on GPU
+    python ppo.py --reward rm.json      # a learned reward model: {"type": "reward_model", "model": "runs/<rm>/final"}
+    python ppo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
+        --max-completion-length 512 --prompts-per-step 64 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
+    torchrun --nproc-per-node 2 ppo.py                            # data parallel (gloo on CPU, nccl on GPU)
 
-Deviations and choices:
-- The value model is a separate network (as in N+), so the value loss's gradient never reaches the policy's
-  weights: `AutoModelForTokenClassification` with one label, i.e. the causal-LM backbone of
-  `--value-model-name-or-path` (default: the policy's checkpoint) and a scalar linear head. A head that the
-  checkpoint does not have starts at zero (weight and bias): V = 0 until the critic learns, so the first
-  advantages are the whitened rewards-to-go rather than a random head's noise (N+ initialises the critic from
-  the trained reward model instead; pass one with --value-model-name-or-path). It is saved as safetensors in
-  `value_model/` inside each checkpoint and `final/`. Cost: a second model's memory, optimiser state and
-  forward/backward passes (README measures it).
-- V_t is read at the hidden state that predicts completion token t (the state before the token), as log-probs
-  are. The value after the last real token is 0 (the episode ends), padding gets neither reward nor loss.
-- Defaults are chosen for the embedded model (README): 128 prompts x 1 completion a step, 2 PPO epochs of one
-  mini-batch, temperature 0.7, lr 1e-4 (policy) and 1e-3 (value model: it starts from a zero head and must catch
-  up), 30 warmup steps, cosine decay over 300 steps, fixed beta 0.05 with k1 (the KL estimator of the papers).
-  This 0.9M-parameter model is fragile (see grpo.py's docstring): large batches and a small policy lr.
-- One training step = one batch of rollouts, then `--num-ppo-epochs` passes over `--num-mini-batches` shuffled
-  mini-batches, each one AdamW update of both models (one optimizer, two parameter groups, each clipped to
-  `--max-grad-norm` on its own); the lr schedule advances once per step. Losses are token means over the
-  mini-batch (N+ uses the same masked mean), accumulated over micro-batches exactly.
-- `--target-kl` stops the remaining epochs of a step once an epoch's mean approximate KL(pi_old || pi) (the k3
-  estimator) exceeds it (as CleanRL; Stable-Baselines3 checks every mini-batch).
-- The KL the controller sees, and `train/kl`, is the batch mean of each completion's summed per-token KL
-  (a sequence-level KL, as in Ziegler et al. and N+); `--kl-horizon` counts completions (N = batch size).
-- `--kl-controller step` is this project's rule: x1.5 above 1.5 x target, /1.5 below target / 1.5 (the
-  adaptive-penalty rule of Sec. 4 of arXiv:1707.06347 with a factor of 1.5 instead of 2).
-- Log-probs are of softmax(logits / --temperature), the distribution sampled from (N+).
-- Advantages (and, with `--whiten-rewards`, rewards) are whitened per process over its real tokens with the
-  unbiased variance (as N+); padding does not move the mean or the std.
-- Dropout is off in both models (as N+), prompts longer than `--max-prompt-length` keep their last tokens.
-- With `--lora-r` both models get adapters; the value head trains in full. The reference is the policy with its
-  adapters off.
+Deviations and choices (why, and the measurements: docs/ppo.md):
+- The value model is a separate network (as N+): the policy's backbone with a scalar head that starts at zero
+  (V = 0), unless --value-model-name-or-path has a head; saved in value_model/ of each checkpoint and final/.
+- V_t is read at the hidden state that predicts token t, as log-probs are; V = 0 after the last real token.
+- Defaults fit the 0.9M-parameter embedded model: 128 prompts x 1 completion, 2 epochs of one mini-batch,
+  temperature 0.7, lr 1e-4 (policy) and 1e-3 (value), warmup 30 and cosine decay, fixed beta 0.05 with k1.
+- One step = one batch of rollouts and --num-ppo-epochs x --num-mini-batches AdamW updates of both models (each
+  clipped on its own); losses are token means over the mini-batch; the lr schedule advances once a step.
+- --target-kl stops a step's remaining epochs once an epoch's mean k3 KL(pi_old || pi) exceeds it (as CleanRL).
+- train/kl and the controller's KL: the batch mean of each completion's summed per-token KL (as N+).
+- --kl-controller step: x1.5 above 1.5 target, /1.5 below target / 1.5 (Sec. 4 of arXiv:1707.06347, 1.5 for 2).
+- Log-probs are of softmax(logits / T), the distribution sampled from (N+).
+- Advantages (and with --whiten-rewards, rewards) are whitened per process over real tokens, unbiased variance.
+- Dropout is off; over-long prompts keep their last tokens; with --lora-r both models get adapters (the value
+  head trains in full) and the reference is the policy with its adapters off.
 """
 
 import copy
-import json
 import math
-import netrc
+import json
 import os
 import random
 import re
 import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional
-from urllib.parse import urlparse
+from typing import Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -104,10 +83,9 @@ class Args:
     model_name_or_path: str = "models/tiny-arith"
     """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
     value_model_name_or_path: Optional[str] = None
-    """local folder or Hugging Face id the value model's backbone (and head, if it has one) starts from
-    (None: the policy's --model-name-or-path)"""
+    """folder or hub id of the value model's backbone (and head, if it has one) (None: the policy's)"""
     dataset: str = "data/arith"
-    """local folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "train"
     """split with the training prompts"""
     eval_split: Optional[str] = "test"
@@ -187,11 +165,9 @@ class Args:
     value_learning_rate: float = 1e-3
     """peak learning rate of AdamW for the value model"""
     total_steps: int = 300
-    """training steps (batches of rollouts); changed on --resume, the lr decay continues from where it is
-    and reaches 0 at the new last step"""
+    """training steps (batches of rollouts); may change on --resume (the lr decay then ends at the new last step)"""
     micro_batch_size: int = 0
-    """completions per forward/backward pass, grouped by length so each is padded to its own longest;
-    gradient accumulation covers the rest of a mini-batch (0: the largest divisor of the mini-batch up to 128)"""
+    """completions per forward/backward pass, gradients accumulated over a mini-batch (0: largest divisor up to 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """after warmup: cosine or linear decay to 0 at the last step, or constant"""
     warmup_steps: int = 30
@@ -215,16 +191,14 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     resume: Optional[str] = None
-    """checkpoint folder (runs/<run>/checkpoints/step_N) to continue from, in its run directory, with the run's own
-    arguments; flags given here that differ from their defaults may change the cadence (--total-steps, --log-every,
-    --eval-every, --save-every, --eval-limit, tracking, --device), any other is refused"""
+    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
     num_sample_completions: int = 8
     """completions per logging step in the --track table"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 
 
-# ----------------------------------------------------------------------------- math
+# ---- the algorithm
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -362,7 +336,6 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tupl
     return (eos_before == 0).float(), ~is_eos.any(dim=1)
 
 
-
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                         temperature: float, with_entropy: bool = False):
     """Log-probs of the completion tokens from the last hidden states and the lm_head, never the full logits.
@@ -378,7 +351,6 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     weight = model.get_output_embeddings().weight
     return linear_token_logprobs(hidden[:, prompt_width - 1 : -1], weight.to(hidden.dtype), input_ids[:, prompt_width:],
                                  temperature=temperature, with_entropy=with_entropy)
-
 
 
 def completion_values(value_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -435,24 +407,6 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
     return scale * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress)
 
 
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
-
-
-def answer_matches(text: str, answer: str) -> bool:
-    """True when the text's <answer>...</answer> equals the reference (numerically where both parse)."""
-    m = ANSWER_RE.search(text)
-    if m is None:
-        return False
-    got, want = m.group(1).strip(), str(answer).strip()
-    try:
-        return float(got) == float(want)
-    except ValueError:
-        return got == want
-
-
-# ----------------------------------------------------------------------------- rollouts
-
-
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids [B, T] left-padded with pad_id, attention mask [B, T])."""
     width = max(len(r) for r in rows)
@@ -463,52 +417,6 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
             ids[i, width - len(r):] = torch.tensor(r)
             mask[i, width - len(r):] = 1
     return ids, mask
-
-
-
-# ----------------------------------------------------------------------------- run plumbing
-
-
-def load_split(dataset: str, split: str):
-    """A split of a local folder of `<split>.jsonl`, a local JSON-lines file, or a hub dataset."""
-    path = Path(dataset)
-    if path.is_dir():
-        file = path / f"{split}.jsonl"
-        if not file.exists():
-            have = sorted(f.stem for f in path.glob("*.jsonl"))
-            raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
-        return load_dataset("json", data_files={split: str(file)}, split=split)
-    if path.is_file():
-        return load_dataset("json", data_files=str(path), split="train")
-    return load_dataset(dataset, split=split)
-
-
-def check_columns(ds, columns: list[str], what: str) -> None:
-    missing = [c for c in columns if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"{what} has no column {missing}; available columns: {ds.column_names} "
-                         f"(choose with --prompt-column/--answer-column, or pick a --reward that does not need it)")
-    if len(ds) == 0:
-        raise ValueError(f"{what} is empty: it needs at least one row")
-
-
-@torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, device, eos_ids, batch_size=128,
-                    progress=False):
-    """Greedy decoding on left-padded batches; returns (accuracy, [(prompt, completion, answer)])."""
-    model.eval()
-    correct, samples = 0, []
-    for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
-        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True,
-                        padding_side="left", add_special_tokens=False).to(device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
-        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-        for p, t, a in zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size]):
-            correct += answer_matches(t, a)
-            samples.append((p, t, a))
-    model.train()
-    return correct / max(1, len(prompts)), samples
 
 
 def load_value_model(name: str, dtype: torch.dtype):
@@ -530,237 +438,214 @@ def load_value_model(name: str, dtype: torch.dtype):
     return model
 
 
-def save_checkpoint(path: Path, model, tokenizer, state: Optional[dict] = None, value_model=None) -> None:
-    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. The value model
-    goes to `value_model/` inside it."""
-    tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if value_model is not None:  # with its own copy of the tokenizer, so the folder is a complete model folder
-        value_model.save_pretrained(tmp / "value_model", safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "value_model")
-    if state is not None:
-        torch.save(state, tmp / "trainer_state.pt")
-        (tmp / "args.json").write_text(json.dumps(state["args"], indent=2))
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+class PolicyAndValue:
+    """What a checkpoint and final/ hold: the policy, and in value_model/ the value model with its own tokenizer copy
+    (a complete model folder). save_pretrained as the plumbing's save_pretrained calls it."""
+
+    def __init__(self, policy, value_model, tokenizer):
+        self.policy, self.value_model, self.tokenizer = policy, value_model, tokenizer
+
+    def save_pretrained(self, path: Path, **kwargs) -> None:
+        self.policy.save_pretrained(path, **kwargs)
+        self.value_model.save_pretrained(path / "value_model", **kwargs)
+        self.tokenizer.save_pretrained(path / "value_model")
 
 
-def plot_curves(metrics_file: Path, out: Path,
-                keys=("train/reward", "eval/accuracy", "train/kl", "train/value_loss", "train/explained_variance")) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3))
-    for ax, key in zip(axes, keys):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
+def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
+    """The prompts as text: as they are, or (chat models) wrapped in the tokenizer's chat template."""
+    if not use_chat_template:
+        if not isinstance(values[0], str):
+            raise ValueError(f"prompts in column '{column}' are chat messages: pass --use-chat-template")
+        return list(values)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"--use-chat-template: the tokenizer of {tokenizer.name_or_path} has no chat template")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": v}] if isinstance(v, str) else v,
+                                          tokenize=False, add_generation_prompt=True) for v in values]
 
 
-# ----------------------------------------------------------------------------- run lifecycle
+class DataOrder:
+    """Prompt indices in seeded random epochs; draws go on across steps, and across a resume."""
 
-# Flags a resumed run may change (a notice is printed); any other flag that differs from the run's own value
-# is refused, since it would change the algorithm or the data. The run directory is the checkpoint's, so
-# --exp-name and --output-dir are ignored on resume.
+    def __init__(self, n: int, seed: int):
+        self.n, self.gen = n, torch.Generator().manual_seed(seed)
+        self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
+
+    def draw(self, k: int) -> list[int]:
+        picked = []
+        while len(picked) < k:
+            if self.cursor == len(self.order):
+                self.order, self.cursor = torch.randperm(self.n, generator=self.gen), 0
+            take = self.order[self.cursor : self.cursor + k - len(picked)].tolist()
+            picked, self.cursor = picked + take, self.cursor + len(take)
+        return picked
+
+    def state(self) -> dict:
+        return {"order_gen": self.gen.get_state(), "order": self.order, "cursor": self.cursor}
+
+    def load(self, state: dict) -> None:
+        self.gen.set_state(state["order_gen"])
+        self.order, self.cursor = state["order"], int(state["cursor"])
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, reward, autocast, timing: dict) -> dict:
+    """Step 1 for the prompts `rows` (Sec. 2 of arXiv:1909.08593): sample (one batched generate with the KV cache)
+    and score. data: {"ids", "prompts", "texts", "columns"} of the split -> the rollout batch."""
+    ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
+    t0 = time.perf_counter()
+    with autocast:
+        completion_ids = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)[:, ids.shape[1]:]
+    t1 = time.perf_counter()
+    c_mask, truncated = completion_mask(completion_ids, eos_ids)
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    trace = reward.trace(completions, prompts=[data["prompts"][i] for i in rows],
+                         completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)],
+                         **{name: [v[i] for i in rows] for name, v in data["columns"].items()})
+    timing["generate"] += t1 - t0
+    timing["score"] += time.perf_counter() - t1
+    return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
+            "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
+            "prompts": [data["texts"][i] for i in rows], "completions": completions}
+
+
+def reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
+    """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the policy with its adapters off.
+    inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
+    if ref_model is not None:
+        return completion_logprobs(ref_model, *inputs, temperature)
+    with model.disable_adapter():
+        return completion_logprobs(model, *inputs, temperature)
+
+
+def micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, tuple, int]]:
+    """`rows` of the batch in length-sorted micro-batches of `size`, each trimmed to its own widest prompt and
+    completion -> [(rows, (input_ids, attention_mask, prompt_width) for the models, completion width)]."""
+    width, out = batch["prompt_ids"].shape[1], []
+    for sub, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows], size):
+        r = rows[sub]
+        out.append((r, (batch["ids"][r, first : width + end], batch["attention"][r, first : width + end], width - first),
+                    end))
+    return out
+
+
+@torch.no_grad()
+def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
+    """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token, recomputed
+    rather than taken from `generate` (as N+). actor_critic: (ids, attention, prompt width, T) -> (logp, entropy,
+    values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp", "ref_logp", "old_values"."""
+    mask = batch["completion_mask"]
+    batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+             "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
+    old_logp, ref_logp, old_values = (torch.zeros_like(mask) for _ in range(3))
+    with autocast:
+        for r, inputs, end in micro_batches(batch, torch.arange(len(mask), device=mask.device), micro):
+            old_logp[r, :end], _, old_values[r, :end] = actor_critic(*inputs, args.temperature)
+            if args.beta > 0:
+                ref_logp[r, :end] = reference_logprobs(ref_model, actor_critic.policy, inputs, args.temperature)
+    return {**batch, "old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values}
+
+
+def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
+    """Steps 2-3: the scores less the missing-EOS penalty, the per-token KL(pi_old || pi_ref) and rewards
+    -kl_coef KL_t + [last token] score (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of arXiv:1506.02438) and whitening.
+    -> {"scores" [B], "kl", "advantages", "returns" [B, T]}."""
+    mask, old_logp = batch["completion_mask"], batch["old_logp"]
+    scores = penalise_missing_eos(batch["rewards"]["total"].to(mask.device), batch["truncated"], args.missing_eos_penalty)
+    kl = per_token_kl(old_logp, batch["ref_logp"], args.kl_estimator) * mask if args.beta > 0 else torch.zeros_like(mask)
+    rewards = per_token_rewards(scores, kl, mask, kl_coef)
+    if args.whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    advantages, returns = gae(rewards, batch["old_values"], mask, args.gamma, args.lam)
+    if args.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+    return {"scores": scores, "kl": kl, "advantages": advantages, "returns": returns}
+
+
+PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy")
+
+
+def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, policy_params: list, value_params: list,
+               autocast) -> dict:
+    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one optimiser update of both
+    models each (each clipped to --max-grad-norm on its own): the clipped policy loss (Eq. 7 of arXiv:1707.06347),
+    the clipped value loss and the entropy bonus (Eq. 9), token means over the mini-batch, accumulated over
+    micro-batches; --target-kl stops the remaining epochs. -> token sums of PPO_STATS, "tokens", the grad norms
+    of the last update, "ppo_epochs"."""
+    mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
+    sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
+    for epoch in range(args.num_ppo_epochs):
+        epoch_kl = torch.zeros(2, device=mask.device)  # approximate-KL token sum, tokens
+        for rows in torch.randperm(len(mask)).to(mask.device).split(len(mask) // args.num_mini_batches):
+            chunks, n_tokens = micro_batches(batch, rows, micro), mask[rows].sum()
+            for k, (r, inputs, end) in enumerate(chunks):
+                m, old_logp = mask[r, :end], batch["old_logp"][r, :end]
+                with (actor_critic.no_sync() if ddp and k < len(chunks) - 1 else torch.enable_grad()), autocast:
+                    logp, entropy, values = actor_critic(*inputs, args.temperature)
+                    per_token, _, clipped = clipped_policy_loss(logp, old_logp, batch["advantages"][r, :end],
+                                                                clip_low=args.clip_low, clip_high=args.clip_high)
+                    vf_loss, vf_clipped = value_loss(values, batch["old_values"][r, :end], batch["returns"][r, :end], m,
+                                                     args.cliprange_value)
+                    pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
+                    share = m.sum() / n_tokens  # this micro-batch's part of the mini-batch's token mean
+                    ((pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent) * share).backward()
+                log_ratio = logp.detach() - old_logp
+                approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, m)  # k3 of KL(pi_old || pi)
+                tokens = float(m.sum())
+                for name, x in zip(PPO_STATS, (pg_loss, vf_loss, masked_mean(clipped, m), vf_clipped, approx_kl, ent)):
+                    sums[name] += x.item() * tokens
+                sums["tokens"] += tokens
+                epoch_kl += torch.stack([approx_kl * tokens, m.sum()])
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
+            value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if args.target_kl is not None:  # every process sees the same KL, so all stop together
+            if ddp:
+                dist.all_reduce(epoch_kl)
+            if float(epoch_kl[0] / epoch_kl[1]) > args.target_kl:
+                break
+    return {**sums, "grad_norm": float(grad_norm), "value_grad_norm": float(value_grad_norm), "ppo_epochs": epoch + 1}
+
+
+def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, args) -> dict:
+    """The step's metrics over all processes: rewards per component, KL, losses, clipping, the critic's fit."""
+    mask = batch["completion_mask"]
+    lengths = mask.sum(dim=1)
+    local = torch.tensor([*(stats[k] for k in PPO_STATS), stats["tokens"], float(lengths.sum()),
+                          float(batch["truncated"].sum()), len(lengths),
+                          explained_variance(batch["old_values"], batch["returns"], mask)], device=mask.device)
+    if run.ddp:
+        dist.all_reduce(local)
+    *token_sums, n_tok, len_sum, n_trunc, n_seq, ev_sum = local.tolist()
+    means = {f"train/{k}": v / max(n_tok, 1) for k, v in zip(PPO_STATS, token_sums)}
+    return {"train/loss": means["train/policy_loss"] + args.vf_coef * means["train/value_loss"]
+            - args.entropy_coef * means["train/entropy"],
+            "train/reward": float(run.gather(batch["rewards"]["total"].to(mask.device)).mean()),
+            **{f"rewards/{k}": float(run.gather(v.to(mask.device)).mean()) for k, v in batch["rewards"].items()
+               if k != "total"},
+            "train/score": float(run.gather(batch["scores"]).mean()), "train/kl": batch_kl, "train/kl_coef": kl_coef,
+            "train/non_score_reward": -kl_coef * batch_kl, **means, "train/explained_variance": ev_sum / run.world,
+            "train/value_mean": float(masked_mean(batch["old_values"], mask)), "train/grad_norm": stats["grad_norm"],
+            "train/value_grad_norm": stats["value_grad_norm"], "train/ppo_epochs": stats["ppo_epochs"],
+            "train/completion_length": len_sum / n_seq, "train/truncated_frac": n_trunc / n_seq}
+
+
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
                      "track", "wandb_project_name", "wandb_entity", "device")
-RESUME_IGNORES = ("exp_name", "output_dir", "run_name", "resume")
 
 
-def resume_args(args: Args) -> tuple[Args, dict]:
-    """--resume: the run's own arguments from the checkpoint, with the flags given on this command line that
-    differ from their defaults applied on top (RESUME_MAY_CHANGE) or refused. -> (args, {flag: [run's, new]})."""
-    saved = json.loads((Path(args.resume) / "args.json").read_text())
-    defaults, out, changed = Args(), Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}), {}
-    for name in Args.__dataclass_fields__:
-        given = getattr(args, name)
-        if name in RESUME_IGNORES or given == getattr(defaults, name) or given == saved.get(name):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if name not in RESUME_MAY_CHANGE:
-            raise ValueError(f"{flag} {given} differs from the run's {saved.get(name)!r} ({args.resume}/args.json): "
-                             f"it would change the algorithm or the data, so it cannot change on resume; drop the "
-                             f"flag, or start a new run. Flags that may change: "
-                             f"{', '.join('--' + n.replace('_', '-') for n in RESUME_MAY_CHANGE)}")
-        setattr(out, name, given)
-        changed[name] = [saved.get(name), given]
-    out.resume = args.resume
-    return out, changed
-
-
-def looks_local(name: str) -> bool:
-    """A path rather than a hub id: starts with . / ~, ends in .json/.jsonl, or its first part exists here."""
-    return (name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1
-            or ("/" in name and Path(name.split("/")[0]).exists()))
-
-
-def check_hub_reachable(kind: str, name: str, local_hint: str) -> None:
-    """A hub id is meant: fail at once when the hub cannot be reached, rather than after retries."""
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
-    if offline:
-        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
-                         f"pass a local path ({local_hint}) or unset {offline[0]}")
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-    except OSError:
-        raise ValueError(f"{kind} '{name}' is not a local path and huggingface.co cannot be reached (offline?): "
-                         f"pass a local path ({local_hint})") from None
-
-
-def check_jsonl(file: Path) -> None:
-    """Every line of a JSON-lines file is a JSON object, and there is at least one: name the file and line if not."""
-    n = 0
-    with file.open() as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{file}, line {i}: expected a JSON object with named columns, got {type(row).__name__}")
-            n += 1
-    if n == 0:
-        raise ValueError(f"{file} is empty: it needs at least one JSON line")
-
-
-def check_dataset(dataset: str, splits: list[str]) -> None:
-    """The dataset and its splits exist and parse, before anything is loaded."""
-    path = Path(dataset).expanduser()
-    if path.is_dir():
-        for split in splits:
-            file = path / f"{split}.jsonl"
-            if not file.exists():
-                have = sorted(f.stem for f in path.glob("*.jsonl"))
-                raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
-            check_jsonl(file)
-    elif path.is_file():
-        check_jsonl(path)
-    elif looks_local(dataset):
-        raise ValueError(f"dataset '{dataset}' does not exist: pass a folder of <split>.jsonl files, a .jsonl file "
-                         f"(e.g. data/arith) or a hub id")
-    else:
-        check_hub_reachable("dataset", dataset, "e.g. data/arith")
-
-
-def check_model_path(name: str) -> None:
-    """A local model folder has a config and a tokenizer; a hub id needs the hub."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
-                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
-        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise ValueError(f"model folder '{name}' has no tokenizer (tokenizer.json or tokenizer_config.json): "
-                             f"save the tokenizer beside the weights")
-    elif path.exists() or looks_local(name):
-        raise ValueError(f"model path '{name}' does not exist or is not a folder: pass a local model folder "
-                         f"(e.g. models/tiny-arith) or a Hugging Face id")
-    else:
-        check_hub_reachable("model", name, "e.g. models/tiny-arith")
-
-
-def check_device(device: str, dtype: str) -> None:
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise ValueError(f"--device {device}: use auto, cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}, but torch sees no CUDA GPU on this machine: use --device cpu (or auto)")
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if on_cpu and dtype == "float16":
-        raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
-                         "(or bfloat16) on CPU; float16 is for GPUs")
-
-
-def check_wandb_login() -> None:
-    """--track: wandb is installed and logged in (or offline), before any work is done."""
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise ValueError("--track needs the wandb package: `pip install wandb`") from None
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
-        return
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        login = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
-    except (OSError, netrc.NetrcParseError):
-        login = None
-    if not login:
-        raise ValueError(f"--track: no Weights & Biases login for {host}: run `wandb login` (or set WANDB_API_KEY), "
-                         f"or log locally with WANDB_MODE=offline")
-
-
-def fit_micro_batch(requested: int, per_process: int, what: str) -> int:
-    """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to 128."""
-    if requested == 0:
-        return max(d for d in range(1, min(128, per_process) + 1) if per_process % d == 0)
-    if per_process % requested:
-        works = [d for d in range(1, min(requested, per_process) + 1) if per_process % d == 0][-1]
-        raise ValueError(f"{what} = {per_process} is not divisible by --micro-batch-size {requested}: use "
-                         f"--micro-batch-size {works} (or 0, the largest divisor up to 128)")
-    return requested
-
-
-def clean_run_dir(run_dir: Path, step: int) -> None:
-    """On resume: drop half-written checkpoints left by a kill, and metrics logged after the checkpoint's step."""
-    for tmp in [*run_dir.glob("checkpoints/.tmp-*"), *run_dir.glob("checkpoints/.old-*"), *run_dir.glob(".tmp-*"),
-                *run_dir.glob(".old-*")]:
-        shutil.rmtree(tmp, ignore_errors=True)
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        rows = [line for line in metrics.read_text().splitlines() if line.strip()]
-        metrics.write_text("".join(line + "\n" for line in rows if json.loads(line)["step"] <= step))
-
-
-class Interrupt:
-    """Ctrl-C: the first asks the loop to finish its step and save; the second quits at once, without saving."""
-
-    def __init__(self, rank: int):
-        self.requested, self.rank, self.step = False, rank, 0
-
-    def __enter__(self):
-        self.previous = signal.signal(signal.SIGINT, self.first)
-        return self
-
-    def first(self, signum, frame):
-        # the second Ctrl-C's handler goes in first: one arriving while the notice is written must not run this again
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        self.requested = True
-        if self.rank == 0:
-            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
-                  f"saving)", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self.previous)
-
-
-def eta(seconds: float) -> str:
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else \
-        f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-
-
-def validate(args: Args) -> int:
-    """Every check that needs no model or data loading; -> the micro-batch size each process uses."""
-    for name in ("total_steps", "prompts_per_step", "num_generations", "max_completion_length", "max_prompt_length",
-                 "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "top_k", "num_sample_completions",
-                 "micro_batch_size"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+def check_args(args: Args) -> int:
+    """Every check that needs no model or data loading, before any work; -> the micro-batch each process uses."""
+    check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
+                        "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
+                        "learning_rate", "value_learning_rate"),
+                 ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "top_k", "num_sample_completions",
+                  "micro_batch_size"), (args.model_name_or_path,))
+    if args.value_model_name_or_path:
+        try:
+            check_common(args, (), (), (args.value_model_name_or_path,))
+        except ValueError as e:
+            raise ValueError(f"--value-model-name-or-path: {e}") from None
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.prompts_per_step % world:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} does not split evenly over {world} processes: "
@@ -774,9 +659,6 @@ def validate(args: Args) -> int:
                          f"use --num-mini-batches {works}")
     micro = fit_micro_batch(args.micro_batch_size, per_process // args.num_mini_batches,
                             f"each mini-batch ({what} / --num-mini-batches)")
-    if args.learning_rate <= 0 or args.value_learning_rate <= 0:
-        raise ValueError(f"--learning-rate and --value-learning-rate must be positive, got {args.learning_rate}, "
-                         f"{args.value_learning_rate}")
     if not (args.temperature > 0 and 0 < args.top_p <= 1):
         raise ValueError(f"need --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
     if args.beta < 0:
@@ -802,75 +684,41 @@ def validate(args: Args) -> int:
             import peft  # noqa: F401
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    check_device(args.device, args.dtype)
-    check_model_path(args.model_name_or_path)
-    if args.value_model_name_or_path:
-        try:
-            check_model_path(args.value_model_name_or_path)
-        except ValueError as e:
-            raise ValueError(f"--value-model-name-or-path: {e}") from None
-    check_dataset(args.dataset, [args.dataset_split] + ([args.eval_split] if args.eval_split else []))
-    if args.track:
-        check_wandb_login()
+    check_data(args.dataset, {split: None for split in (args.dataset_split, args.eval_split) if split})
     return micro
 
 
-# ----------------------------------------------------------------------------- main
 def main(args: Args) -> dict:
     # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
     #    up processes, device and seeds.
-    overrides = {}
-    if args.resume:
-        if not (Path(args.resume) / "trainer_state.pt").exists():
-            raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass a runs/<run>/checkpoints/step_N "
-                             f"folder")
-        args, overrides = resume_args(args)
-    micro = validate(args)
+    args, overrides = resume_args(args, RESUME_MAY_CHANGE)
+    micro = check_args(args)
     reward = make_reward(args.reward)
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
-    ddp = "LOCAL_RANK" in os.environ
-    if ddp:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
-    if args.device == "auto":
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    run = Run(args, overrides, shown=("train/reward", "eval/accuracy", "train/kl"))
+    device, rank, world, G = run.device, run.rank, run.world, args.num_generations
 
-    # 1. Data: the prompts, tokenised once; the reward's columns, checked up front.
+    # 1. Data: the prompts, tokenised once; the columns the reward needs, checked up front.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    train = load_split(args.dataset, args.dataset_split)
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
-    check_columns(train, [args.prompt_column, *columns.values()], f"split '{args.dataset_split}' (reward {args.reward!r})")
-
-    def prompt_texts(values) -> list[str]:
-        if not args.use_chat_template:
-            if not isinstance(values[0], str):
-                raise ValueError(f"prompts in column '{args.prompt_column}' are chat messages: pass --use-chat-template")
-            return list(values)
-        if tokenizer.chat_template is None:
-            raise ValueError(f"--use-chat-template: the tokenizer of {args.model_name_or_path} has no chat template")
-        return [tokenizer.apply_chat_template([{"role": "user", "content": v}] if isinstance(v, str) else v,
-                                              tokenize=False, add_generation_prompt=True) for v in values]
-
+    train = load_split(args.dataset, args.dataset_split, [args.prompt_column, *columns.values()],
+                       f"--prompt-column/--answer-column, or a --reward that does not need them; reward {args.reward!r}")
     raw_prompts = list(train[args.prompt_column])
-    texts = prompt_texts(raw_prompts)
+    texts = prompt_texts(tokenizer, raw_prompts, args.use_chat_template, args.prompt_column)
     prompt_ids = [ids[-args.max_prompt_length:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     empty = [i for i, p in enumerate(prompt_ids) if not p]
     if empty:
         raise ValueError(f"{len(empty)} prompts of split '{args.dataset_split}' are empty (row {empty[0]}): remove them")
-    column_values = {name: list(train[col]) for name, col in columns.items()}
+    data = {"ids": prompt_ids, "prompts": raw_prompts, "texts": texts,
+            "columns": {name: list(train[col]) for name, col in columns.items()}}
     eval_prompts, eval_answers = [], []
     if args.eval_split:
-        ev = load_split(args.dataset, args.eval_split)
-        check_columns(ev, [args.prompt_column, args.answer_column], f"eval split '{args.eval_split}'")
+        ev = load_split(args.dataset, args.eval_split, [args.prompt_column, args.answer_column],
+                        "--prompt-column/--answer-column")
         n = min(len(ev), args.eval_limit)
-        eval_prompts, eval_answers = prompt_texts(list(ev[args.prompt_column][:n])), list(ev[args.answer_column][:n])
+        eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
+        eval_answers = list(ev[args.answer_column][:n])
 
     # 2. Models: the policy and the value model (optionally with LoRA adapters), and a frozen reference when beta > 0.
     weights_dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -897,8 +745,8 @@ def main(args: Args) -> dict:
     elif args.beta > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     raw_model, raw_value = model, value_model
-    actor_critic = ActorCritic(model, value_model)
-    if ddp:
+    raw_actor_critic = actor_critic = ActorCritic(model, value_model)
+    if run.ddp:
         actor_critic = torch.nn.parallel.DistributedDataParallel(
             actor_critic, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
@@ -906,14 +754,8 @@ def main(args: Args) -> dict:
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
 
-    def reference_logprobs(ids, mask, prompt_width):
-        if ref_model is not None:
-            return completion_logprobs(ref_model, ids, mask, prompt_width, args.temperature)
-        with raw_model.disable_adapter():  # LoRA: the reference is the base model without adapters
-            return completion_logprobs(raw_model, ids, mask, prompt_width, args.temperature)
-
     # 3. Optimiser (both models, a parameter group each), schedule, KL controller and data order (one per process);
-    #    restore them all on --resume.
+    #    on --resume the weights, then all their states.
     policy_params = [p for p in raw_model.parameters() if p.requires_grad]
     value_params = [p for p in raw_value.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([{"params": policy_params, "lr": args.learning_rate},
@@ -923,8 +765,7 @@ def main(args: Args) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     kl_ctl = KLController(args.kl_controller, args.beta, args.kl_target, args.kl_horizon)
-    order_gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    order, cursor, start_step = torch.randperm(len(prompt_ids), generator=order_gen), 0, 0
+    order = DataOrder(len(prompt_ids), args.seed * 1000 + rank)
     if args.resume:
         ckpt = Path(args.resume)
         if args.lora_r:
@@ -936,327 +777,418 @@ def main(args: Args) -> dict:
         else:
             raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=weights_dtype).state_dict())
             raw_value.load_state_dict(load_value_model(str(ckpt / "value_model"), weights_dtype).state_dict())
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        state = run.load_state()
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         reward.load_state_dict(state["reward"])
         kl_ctl.load_state_dict(state["kl_controller"])
-        order_gen.set_state(state["order_gen"][rank].clone())  # clone: a row view would be read from offset 0
-        order, cursor, start_step = state["order"][rank].clone(), state["cursor"][rank], state["step"]
-        random.setstate(state["python_rng"])
-        np.random.set_state(state["numpy_rng"])
-        torch.set_rng_state(state["torch_rng"][rank].clone())
+        order.load(state)
         lr_anchor = state["lr_anchor"]
         if "total_steps" in overrides:  # the decay continues from where it is to the new last step
-            lr_anchor = (start_step, lr_factor(start_step, args.warmup_steps, overrides["total_steps"][0],
-                                               args.lr_schedule, lr_anchor))
-        run_dir = ckpt.parents[1]
+            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
+                                              args.lr_schedule, lr_anchor))
+
+    def measure() -> tuple[dict, list]:
+        if not eval_prompts:
+            return {}, []
+        acc, samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
+                                       eos_ids, progress=run.progress)
+        return {"eval/accuracy": acc}, samples
+
+    def save() -> Path:
+        return run.checkpoint(PolicyAndValue(raw_model, raw_value, tokenizer), tokenizer, {
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "reward": reward.state_dict(),
+            "kl_controller": kl_ctl.state_dict(), "lr_anchor": lr_anchor}, per_rank=order.state())
+
+    # 4. Train.
+    n_policy, n_value = (sum(p.numel() for p in params) for params in (policy_params, value_params))
+    run.say(f"run directory: {run.dir}  |  {len(prompt_ids)} training prompts, {len(eval_prompts)} eval prompts, "
+            f"{n_policy / 1e6:.2f}M + {n_value / 1e6:.2f}M trainable parameters (policy + value model) on {device}, "
+            f"micro-batch {micro}")
+    groups, final, tokens, last_log = args.prompts_per_step // world, {}, 0, run.start
+    timing = dict.fromkeys(("step", "generate", "score", "train"), 0.0)  # seconds since the last log row
+    with run:
+        for step in run.steps(measure, save):
+            t_step = time.perf_counter()
+            # 4a. Roll out: a completion (or G) for each prompt from pi_old, scored (Sec. 2 of arXiv:1909.08593).
+            batch = rollout(raw_model, tokenizer, data, [i for i in order.draw(groups) for _ in range(G)], gen_config,
+                            eos_tensor, reward, autocast, timing)
+            t_train = time.perf_counter()
+            # 4b. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients.
+            batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast)
+            # 4c. Per-token rewards (-beta KL_t, the score at the last token), GAE, whitened advantages.
+            kl_coef = kl_ctl.value
+            batch.update(compute_advantages(batch, kl_coef, args))
+            # 4d. PPO epochs over shuffled mini-batches: the clipped policy and value losses, the entropy bonus.
+            stats = ppo_update(actor_critic, optimizer, batch, micro, args, policy_params, value_params, autocast)
+            lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
+            scheduler.step()
+            # 4e. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
+            batch_kl = float(run.gather(batch["kl"].sum(dim=1)).mean())
+            kl_ctl.update(batch_kl, args.prompts_per_step * G)
+            timing["train"] += time.perf_counter() - t_train
+            timing["step"] += time.perf_counter() - t_step
+            tokens += int(batch["attention"].sum())
+
+            # 4f. Log rewards per component, KL, losses, clipping, the critic's fit and timings.
+            if step % args.log_every == 0 or step == args.total_steps:
+                final = {"step": step, **ppo_metrics(run, batch, stats, kl_coef, batch_kl, args), "train/lr": lr,
+                         "perf/tokens_per_s": tokens * world / max(timing["step"], 1e-9),
+                         **{f"perf/{k}_s": v / (step - last_log) for k, v in timing.items()}}
+                n = args.num_sample_completions
+                run.log(final, ("train/samples", ["step", "prompt", "completion", "reward", "score"],
+                                [[step, p, c, float(r), float(s)] for p, c, r, s in zip(
+                                    batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n],
+                                    batch["scores"][:n])]))
+                tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
+
+    # 5. Final evaluation, a checkpoint, and the trained models (LoRA merged into them) in final/.
+    return run.finish(final, measure, save, lambda: PolicyAndValue(
+        *(copy.deepcopy(m).merge_and_unload() if args.lora_r else m for m in (raw_model, raw_value)), tokenizer), tokenizer)
+
+
+# ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
+# Byte-identical in grpo, ppo, dpo, hybrid, reward_model and sft (tests/test_lifecycle.py); what differs is passed in.
+
+
+def answer_matches(text: str, answer) -> bool:
+    """The text's <answer>...</answer> equals the reference (numerically where both parse)."""
+    m = re.search(r"<answer>(.*?)</answer>", text, re.S)
+    got, want = (m.group(1).strip() if m else None), str(answer).strip()
+    try:
+        return float(got) == float(want)
+    except (TypeError, ValueError):
+        return got == want
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=None, batch_size=128, progress=False):
+    """Greedy decoding on left-padded batches -> (accuracy, [(prompt, completion, answer)])."""
+    model.eval()
+    samples = []
+    for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
+        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, padding_side="left",
+                        add_special_tokens=False).to(model.device)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=eos_ids or tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
+    model.train()
+    return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
+
+
+def load_split(dataset: str, split: str, columns: list[str], flags: str):
+    """A split of a folder of `<split>.jsonl`, of a JSON-lines file, or of a hub dataset, with the columns needed."""
+    path = Path(dataset)
+    if path.is_dir():
+        ds = load_dataset("json", data_files={split: str(path / f"{split}.jsonl")}, split=split)
     else:
-        args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        run_dir = Path(args.output_dir) / args.run_name
-    metrics_file = run_dir / "metrics.jsonl"
-    wandb = None
-    progress = rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, compact lines otherwise
-    last = {"eval/accuracy": None}  # the latest values the progress line shows
+        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(dataset, split=split)
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose "
+                         f"with {flags})")
+    return ds
 
-    def log(metrics: dict) -> None:
-        if rank != 0:
-            return
-        with metrics_file.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        last.update(metrics)
-        if wandb:
-            wandb.log(metrics, step=metrics["step"])
 
-    def report(step: int, seconds_per_step: float) -> None:
-        """The key numbers: on the progress bar (a terminal), or one compact line."""
-        if rank != 0:
-            return
-        shown = {"reward": last.get("train/reward"), "acc": last["eval/accuracy"], "kl": last.get("train/kl")}
-        text = " | ".join(f"{k} {v:.3g}" for k, v in shown.items() if v is not None)
-        if progress:
-            bar.set_postfix_str(f"{text} | {seconds_per_step:.2f} s/step")
-        else:
-            print(f"step {step}/{args.total_steps} | {text} | {seconds_per_step:.2f} s/step | "
-                  f"ETA {eta((args.total_steps - step) * seconds_per_step)}", flush=True)
+def check_local_or_hub(kind: str, name: str) -> bool:
+    """True for a local path; a hub id must be on the Hugging Face Hub (one request, before any work)."""
+    if Path(name).expanduser().exists():
+        return True
+    hint = "a local path (e.g. models/tiny-arith, data/arith) or a hub id"
+    if name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1 or Path(
+            name.split("/")[0]).exists():
+        raise ValueError(f"{kind} '{name}' does not exist: pass {hint}")
+    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
+    if offline:
+        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
+                         f"pass a local path or unset {offline[0]}")
+    from huggingface_hub import repo_exists
 
-    def evaluate(step: int) -> float:
-        acc = None
-        if rank == 0 and eval_prompts:
-            acc, samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
-                                           device, eos_ids, progress=progress)
-            log({"step": step, "eval/accuracy": acc})
-            if not progress:
-                print(f"eval at step {step}: accuracy {acc:.4f} on {len(eval_prompts)} prompts", flush=True)
-            if wandb:
-                wandb.log({"eval/samples": wandb.Table(columns=["prompt", "completion", "answer"],
-                                                       data=[list(s) for s in samples[:16]])}, step=step)
-        if ddp:
-            dist.barrier()
-        return acc
+    try:
+        found = repo_exists(name, repo_type=kind)
+    except Exception as e:  # no network, a proxy: say so now rather than after retries
+        raise ValueError(f"{kind} '{name}': the Hugging Face Hub cannot be reached ({type(e).__name__}): pass {hint}")
+    if not found:
+        raise ValueError(f"{kind} '{name}' is not on the Hugging Face Hub (private? `hf auth login`): pass {hint}")
+    return False
 
-    def gather(x: torch.Tensor) -> torch.Tensor:
-        """[n, ...] on each process -> [world * n, ...] in rank order (identity without DDP)."""
-        if not ddp:
+
+def check_data(dataset: str, splits: dict[str, Optional[Callable[[dict], Optional[str]]]]) -> None:
+    """Each split exists, each line is a JSON object that passes the split's row check, and there is one."""
+    if not check_local_or_hub("dataset", dataset):
+        return
+    path = Path(dataset).expanduser()
+    for split, problem in splits.items():
+        file = path / f"{split}.jsonl" if path.is_dir() else path
+        if not file.exists():
+            have = sorted(f.stem for f in path.glob("*.jsonl"))
+            raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
+        rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
+        if not rows:
+            raise ValueError(f"{file} is empty: it needs at least one JSON line")
+        for i, line in rows:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
+            wrong = f"expected a JSON object with named columns, got {type(row).__name__}" if not isinstance(
+                row, dict) else problem(row) if problem else None
+            if wrong:
+                raise ValueError(f"{file}, line {i}: {wrong}")
+
+
+def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]) -> None:
+    """The checks every script makes before any work: counts, device and dtype, model folders, W&B login."""
+    for name in positive + non_negative:
+        if getattr(args, name) <= 0 if name in positive else getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be {'positive' if name in positive else '>= 0'}, "
+                             f"got {getattr(args, name)}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        raise ValueError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU on this machine: use --device cpu (or auto)")
+    if args.dtype == "float16" and (args.device == "cpu" or not torch.cuda.is_available()):
+        raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
+                         "(or bfloat16) on CPU; float16 is for GPUs")
+    for name in model_paths:
+        path = Path(name).expanduser()
+        if check_local_or_hub("model", name) and not (path / "config.json").exists():
+            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
+                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+    if args.track and os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled"):
+        try:
+            import wandb
+
+            wandb.login(verify=False)
+        except Exception as e:
+            raise ValueError(f"--track: {e} Run `wandb login` (or set WANDB_API_KEY), or log locally with "
+                             f"WANDB_MODE=offline") from None
+
+
+def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
+    """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to `cap`."""
+    works = [d for d in range(1, min(requested or cap, per_process) + 1) if per_process % d == 0][-1]
+    if requested and works != requested:
+        raise ValueError(f"{what} = {per_process} is not divisible by --micro-batch-size {requested}: use "
+                         f"--micro-batch-size {works} (or 0, the largest divisor up to {cap})")
+    return works
+
+
+def resume_args(args, may_change: tuple[str, ...]):
+    """--resume: the run's own arguments, with the flags given here that differ from their defaults applied on top
+    (`may_change`: cadence, tracking, device) or refused. -> (args, {flag: [run's value, new value]})."""
+    if not args.resume:
+        return args, {}
+    if not (Path(args.resume) / "trainer_state.pt").exists():
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass a runs/<run>/checkpoints/step_N folder")
+    cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
+    defaults, changed = cls(), {}
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in cls.__dataclass_fields__})
+    for name in set(cls.__dataclass_fields__) - {"exp_name", "output_dir", "run_name", "resume"}:
+        given = getattr(args, name)
+        if given in (getattr(defaults, name), getattr(out, name)):
+            continue
+        if name not in may_change:
+            raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
+                             f"({args.resume}/args.json): it would change the algorithm or the data, so it cannot "
+                             f"change on resume; drop the flag, or start a new run. Flags that may change: "
+                             f"{', '.join('--' + n.replace('_', '-') for n in may_change)}")
+        setattr(out, name, given)
+        changed[name] = [saved.get(name), given]
+    out.resume = args.resume
+    return out, changed
+
+
+def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None) -> None:
+    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint."""
+    tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if state is not None:
+        torch.save(state, tmp / "trainer_state.pt")
+        (tmp / "args.json").write_text(json.dumps(state["args"], indent=2))
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class Run:
+    """One run as each process sees it: processes, device and seeds; with `with run:` the run directory (rank 0;
+    removed if the run fails before its first step ends), W&B and Ctrl-C (the first finishes the step and saves,
+    a second quits); metrics, evaluation and checkpoint cadence, the progress line, and the closing summary."""
+
+    def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
+        self.args, self.overrides, self.shown, self.ddp = args, overrides, shown, "LOCAL_RANK" in os.environ
+        if self.ddp:
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
+        cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(cuda if args.device == "auto" else args.device)
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        if not args.resume:
+            args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.output_dir) / args.run_name
+        self.start = self.step = self.steps_done = 0
+        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False
+        self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
+
+    def load_state(self) -> Optional[dict]:
+        """--resume: trainer_state.pt, with this process's share of `per_rank` and the RNG states restored."""
+        if not self.args.resume:
+            return None
+        state = torch.load(Path(self.args.resume) / "trainer_state.pt", weights_only=False)
+        state.update({k: v[self.rank].clone() for k, v in state.pop("per_rank").items()})
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.start = self.step = state["step"]
+        return state
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on each process -> [world * n, ...] in rank order."""
+        if not self.ddp:
             return x
-        parts = [torch.empty_like(x) for _ in range(world)]
+        parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts)
 
-    def checkpoint(step: int) -> Path:
-        path = run_dir / "checkpoints" / f"step_{step}"
-        per_rank = [order_gen.get_state(), order, torch.tensor(cursor), torch.get_rng_state()]
-        if ddp:  # each process has its own data order and sampling RNG
-            per_rank = [gather(x[None].to(device)).cpu() for x in per_rank]
-        else:
-            per_rank = [x[None] for x in per_rank]
-        if rank == 0:
-            save_checkpoint(path, raw_model, tokenizer, {
-                "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "order_gen": per_rank[0], "order": per_rank[1], "cursor": per_rank[2].tolist(),
-                "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": per_rank[3],
-                "reward": reward.state_dict(), "kl_controller": kl_ctl.state_dict(), "lr_anchor": lr_anchor,
-                "args": asdict(args)}, value_model=raw_value)
-        if ddp:
-            dist.barrier()
+    def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
+        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, step, args, RNGs, every process's
+        `per_rank` tensors)."""
+        path = self.dir / "checkpoints" / f"step_{self.step}"
+        per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
+                    for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
+        if self.rank == 0:
+            save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
+                self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()})
+        self.barrier()
         return path
 
-    def draw_prompts(n: int) -> list[int]:
-        nonlocal order, cursor
-        picked = []
-        while len(picked) < n:
-            if cursor == len(order):
-                order, cursor = torch.randperm(len(prompt_ids), generator=order_gen), 0
-            take = order[cursor : cursor + n - len(picked)].tolist()
-            picked += take
-            cursor += len(take)
-        return picked
+    def barrier(self) -> None:
+        if self.ddp:
+            dist.barrier()
 
-    @torch.no_grad()
-    def sample_groups(n: int) -> dict:
-        """Steps 1-2 for n fresh prompts: G completions each (one batched generate with the KV cache), scored."""
-        rows = [i for i in draw_prompts(n) for _ in range(args.num_generations)]
-        ids, mask = left_pad([prompt_ids[i] for i in rows], tokenizer.pad_token_id)
-        ids, mask = ids.to(device), mask.to(device)
-        t0 = time.perf_counter()
-        with autocast:
-            out = raw_model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
-        t1 = time.perf_counter()
-        completion_ids = out[:, ids.shape[1]:]
-        c_mask, truncated = completion_mask(completion_ids, eos_tensor)
-        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        trace = reward.trace(completions, prompts=[raw_prompts[i] for i in rows],
-                             completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)],
-                             **{name: [v[i] for i in rows] for name, v in column_values.items()})
-        timing["generate"] += t1 - t0
-        timing["score"] += time.perf_counter() - t1
-        return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
-                "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
-                "prompts": [texts[i] for i in rows], "completions": completions}
+    def log(self, metrics: dict, table: Optional[tuple[str, list, list]] = None) -> None:
+        """A row of metrics.jsonl and W&B (with `table`: key, columns, rows of samples), from rank 0."""
+        if self.rank == 0:
+            with (self.dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            self.first, self.last = {**metrics, **self.first}, {**self.last, **metrics}
+            if self.wandb:
+                extra = {table[0]: self.wandb.Table(columns=table[1], data=table[2])} if table and table[2] else {}
+                self.wandb.log({**metrics, **extra}, step=metrics["step"])
 
-    # 4. Train: the run directory (a fresh one is removed if the run fails before its first step ends); Ctrl-C
-    #    finishes the current step, saves a checkpoint and exits; a second Ctrl-C quits without saving.
-    if rank == 0:
-        if args.resume:
-            clean_run_dir(run_dir, start_step)
-            args_json = json.loads((run_dir / "args.json").read_text())
-            args_json.setdefault("resumed", []).append({"step": start_step, "checkpoint": str(args.resume),
-                                                        "overrides": overrides})
-            (run_dir / "args.json").write_text(json.dumps(args_json, indent=2))
-            for name, (old, new) in overrides.items():
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            tqdm.write(text) if self.progress else print(text, flush=True)
+
+    def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
+        """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed."""
+        metrics = {}
+        if self.rank == 0:
+            metrics, samples = measure()
+            if metrics:
+                self.log({"step": self.step, **metrics}, ("eval/samples", ["prompt", "completion", "answer"],
+                                                          [list(s) for s in samples[:16]]))
+                self.say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self.barrier()
+        return metrics
+
+    def __enter__(self):
+        args = self.args
+        if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this checkpoint
+            for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
+                shutil.rmtree(tmp, ignore_errors=True)
+            rows = (self.dir / "metrics.jsonl").read_text().splitlines()
+            (self.dir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= self.start))
+            saved = json.loads((self.dir / "args.json").read_text())
+            saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
+                                                    "overrides": self.overrides})
+            (self.dir / "args.json").write_text(json.dumps(saved, indent=2))
+            for name, (old, new) in self.overrides.items():
                 print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
-        else:
-            run_dir.mkdir(parents=True)
-            (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        n_policy, n_value = (sum(p.numel() for p in params) for params in (policy_params, value_params))
-        print(f"run directory: {run_dir}  |  {len(prompt_ids)} training prompts, {len(eval_prompts)} eval prompts, "
-              f"{n_policy / 1e6:.2f}M + {n_value / 1e6:.2f}M trainable parameters (policy + value model) on {device}, "
-              f"micro-batch {micro}", flush=True)
-    groups = args.prompts_per_step // world
-    G = args.num_generations
-    mini = groups * G // args.num_mini_batches
-    step, final = start_step, {}
-    tokens_since_log, last_log_step = 0, start_step
-    # seconds per phase since the last log line; "step" excludes evaluation and checkpointing
-    timing = {"step": 0.0, "generate": 0.0, "score": 0.0, "train": 0.0}
-    stop, steps_timed, seconds_timed = Interrupt(rank), 0, 0.0
-    bar = tqdm(total=args.total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not progress)
-    try:
-        if args.track and rank == 0:
+        elif self.rank == 0:
+            self.dir.mkdir(parents=True)
+            (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
+        if args.track and self.rank == 0:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                       config=vars(args), dir=str(run_dir), resume="allow")
-        with stop:
-            if start_step == 0:
-                evaluate(0)
-            for step in range(start_step + 1, args.total_steps + 1):
-                stop.step = step
-                t_step = time.perf_counter()
-                # 4a. Roll out: a completion (or G) for each prompt from pi_old, scored (Sec. 2 of arXiv:1909.08593).
-                batch = sample_groups(groups)
-                t_train = time.perf_counter()
-                mask = batch["completion_mask"]
-                ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-                attention = torch.cat([batch["prompt_mask"], mask.long()], dim=1)
-                width = batch["prompt_ids"].shape[1]
-                scores = penalise_missing_eos(batch["rewards"]["total"].to(device), batch["truncated"],
-                                              args.missing_eos_penalty)
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args),
+                       dir=str(self.dir), resume="allow")
+        self.previous = signal.signal(signal.SIGINT, self.interrupt)
+        return self
 
-                def micro_batches(rows: torch.Tensor) -> list:
-                    """Rows of the batch -> [(rows, first prompt column, completion width)], `micro` rows each."""
-                    return [(rows[sub], first, end) for sub, first, end in
-                            length_sorted_micro_batches(batch["prompt_mask"][rows], mask[rows], micro)]
+    def interrupt(self, signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
+        self.stop = True
+        if self.rank == 0:
+            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
+                  f"saving)", file=sys.stderr, flush=True)
 
-                # 4b. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients
-                #     (recomputed rather than taken from `generate`, as N+ does).
-                old_logp, ref_logp, old_values = (torch.zeros_like(mask) for _ in range(3))
-                with torch.no_grad(), autocast:
-                    for r, first, end in micro_batches(torch.arange(len(mask), device=device)):
-                        inputs = (ids[r, first : width + end], attention[r, first : width + end], width - first)
-                        old_logp[r, :end] = completion_logprobs(raw_model, *inputs, args.temperature)
-                        old_values[r, :end] = completion_values(raw_value, *inputs)
-                        if args.beta > 0:
-                            ref_logp[r, :end] = reference_logprobs(*inputs)
+    def __exit__(self, kind, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+        self.bar.close()
+        if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
+            shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
-                # 4c. Per-token rewards (-beta KL_t, the score at the last token), GAE (Eq. 16 of arXiv:1506.02438),
-                #     whitened advantages.
-                kl = per_token_kl(old_logp, ref_logp, args.kl_estimator) * mask if args.beta > 0 else torch.zeros_like(mask)
-                kl_coef = kl_ctl.value
-                rewards = per_token_rewards(scores, kl, mask, kl_coef)
-                if args.whiten_rewards:
-                    rewards = masked_whiten(rewards, mask, shift_mean=False)
-                advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
-                if args.whiten_advantages:
-                    advantages = masked_whiten(advantages, mask)
+    def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
+        """Steps start+1 .. --total-steps, with evaluation at 0 and every --eval-every, a checkpoint every
+        --save-every, and after a Ctrl-C a checkpoint and the end of the loop."""
+        if self.start == 0:
+            self.evaluate(measure)
+        for step in range(self.start + 1, self.args.total_steps + 1):
+            self.step, t0 = step, time.perf_counter()
+            yield step
+            self.steps_done, self.seconds = self.steps_done + 1, self.seconds + time.perf_counter() - t0
+            self.report()
+            if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
+                self.evaluate(measure)
+            if self.args.save_every and self.step % self.args.save_every == 0:
+                save()
+            if self.ddp:  # every process stops at the same step, even if the signal reached them apart
+                flag = torch.tensor([float(self.stop)], device=self.device)
+                dist.all_reduce(flag)
+                self.stop = bool(flag.item())
+            if self.stop:
+                path = save()
+                self.say(f"interrupted: saved {path}; continue with --resume {path}")
+                return
 
-                # 4d. PPO epochs over shuffled mini-batches, one AdamW update of both models each: the clipped policy
-                #     loss (Eq. 7 of arXiv:1707.06347), the clipped value loss and the entropy bonus (Eq. 9), token
-                #     means over the mini-batch; --target-kl stops the remaining epochs.
-                sums = dict.fromkeys(("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl",
-                                      "entropy", "tokens"), 0.0)
-                for epoch in range(args.num_ppo_epochs):
-                    epoch_kl = torch.zeros(2, device=device)  # approximate-KL token sum, tokens
-                    for rows in torch.randperm(len(mask)).to(device).split(mini):
-                        chunks, n_tokens = micro_batches(rows), mask[rows].sum()
-                        for k, (r, first, end) in enumerate(chunks):
-                            sync = k == len(chunks) - 1 or not ddp
-                            m = mask[r, :end]
-                            with (actor_critic.no_sync() if not sync else torch.enable_grad()), autocast:
-                                logp, entropy, values = actor_critic(ids[r, first : width + end],
-                                                                     attention[r, first : width + end], width - first,
-                                                                     args.temperature)
-                                per_token, _, clipped = clipped_policy_loss(logp, old_logp[r, :end], advantages[r, :end],
-                                                                            clip_low=args.clip_low, clip_high=args.clip_high)
-                                vf_loss, vf_clipped = value_loss(values, old_values[r, :end], returns[r, :end], m,
-                                                                 args.cliprange_value)
-                                pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
-                                share = m.sum() / n_tokens  # this micro-batch's part of the mini-batch's token mean
-                                ((pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent) * share).backward()
-                            log_ratio = logp.detach() - old_logp[r, :end]
-                            approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, m)  # k3 of KL(pi_old || pi)
-                            tokens = float(m.sum())
-                            for name, x in (("policy_loss", pg_loss), ("value_loss", vf_loss), ("entropy", ent),
-                                            ("clip_frac", masked_mean(clipped, m)), ("value_clip_frac", vf_clipped),
-                                            ("approx_kl", approx_kl)):
-                                sums[name] += x.item() * tokens
-                            sums["tokens"] += tokens
-                            epoch_kl += torch.stack([approx_kl * tokens, m.sum()])
-                        grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
-                        value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                    epochs_run = epoch + 1
-                    if args.target_kl is not None:  # every process sees the same KL, so all stop together
-                        if ddp:
-                            dist.all_reduce(epoch_kl)
-                        if float(epoch_kl[0] / epoch_kl[1]) > args.target_kl:
-                            break
-                lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
-                scheduler.step()
+    def report(self) -> None:
+        """The key numbers on the progress bar (a terminal), or every --log-every steps as a line."""
+        per_step = self.seconds / self.steps_done
+        text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
+        self.bar.update(1)
+        if self.progress:
+            self.bar.set_postfix_str(f"{text} | {per_step:.2f} s/step")
+        elif self.rank == 0 and self.step % self.args.log_every == 0:
+            print(f"step {self.step}/{self.args.total_steps} | {text} | {per_step:.2f} s/step | ETA "
+                  f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
-                # 4e. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
-                batch_kl = float(gather(kl.sum(dim=1)).mean())
-                kl_ctl.update(batch_kl, args.prompts_per_step * G)
-                timing["train"] += time.perf_counter() - t_train
-                timing["step"] += time.perf_counter() - t_step
-                steps_timed, seconds_timed = steps_timed + 1, seconds_timed + time.perf_counter() - t_step
-                tokens_since_log += int(attention.sum())
-
-                # 4f. Log rewards per component, KL, losses, clipping, the critic's fit and timings.
-                if step % args.log_every == 0 or step == args.total_steps:
-                    lengths = mask.sum(dim=1)
-                    keys = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy")
-                    local = torch.tensor([*(sums[k] for k in keys), sums["tokens"], float(lengths.sum()),
-                                          float(batch["truncated"].sum()), len(lengths),
-                                          explained_variance(old_values, returns, mask)], device=device)
-                    if ddp:
-                        dist.all_reduce(local)
-                    *token_sums, n_tok, len_sum, n_trunc, n_seq, ev_sum = local.tolist()
-                    means = {f"train/{k}": v / max(n_tok, 1) for k, v in zip(keys, token_sums)}
-                    n_steps = step - last_log_step
-                    final = {"step": step, "train/loss": means["train/policy_loss"] + args.vf_coef * means[
-                                 "train/value_loss"] - args.entropy_coef * means["train/entropy"],
-                             "train/reward": float(gather(batch["rewards"]["total"].to(device)).mean()),
-                             **{f"rewards/{k}": float(gather(v.to(device)).mean()) for k, v in batch["rewards"].items()
-                                if k != "total"},
-                             "train/score": float(gather(scores).mean()), "train/kl": batch_kl,
-                             "train/kl_coef": kl_coef, "train/non_score_reward": -kl_coef * batch_kl, **means,
-                             "train/explained_variance": ev_sum / world,
-                             "train/value_mean": float(masked_mean(old_values, mask)),
-                             "train/grad_norm": float(grad_norm), "train/value_grad_norm": float(value_grad_norm),
-                             "train/lr": lr, "train/ppo_epochs": epochs_run,
-                             "train/completion_length": len_sum / n_seq, "train/truncated_frac": n_trunc / n_seq,
-                             "perf/tokens_per_s": tokens_since_log * world / max(timing["step"], 1e-9),
-                             **{f"perf/{k}_s": v / n_steps for k, v in timing.items()}}
-                    log(final)
-                    if wandb and args.num_sample_completions:
-                        n = args.num_sample_completions
-                        table = zip(batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n],
-                                    scores[:n])
-                        wandb.log({"train/samples": wandb.Table(
-                            columns=["step", "prompt", "completion", "reward", "score"],
-                            data=[[step, p, c, float(rw), float(s)] for p, c, rw, s in table])}, step=step)
-                    tokens_since_log, last_log_step = 0, step
-                    timing = dict.fromkeys(timing, 0.0)
-                bar.update(1)
-                if progress or step % args.log_every == 0:
-                    report(step, seconds_timed / steps_timed)
-                if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
-                    evaluate(step)
-                if args.save_every and step % args.save_every == 0:
-                    checkpoint(step)
-                if ddp:  # every process stops at the same step, even if the signal reached them apart
-                    flag = torch.tensor([float(stop.requested)], device=device)
-                    dist.all_reduce(flag)
-                    stop.requested = bool(flag.item())
-                if stop.requested:
-                    path = checkpoint(step)
-                    if rank == 0:
-                        print(f"interrupted: saved {path}; continue with --resume {path}", flush=True)
-                    break
-    except BaseException:
-        if rank == 0 and not args.resume and steps_timed == 0:  # a failed start leaves no run directory
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    finally:
-        bar.close()
-
-    # 5. Final evaluation, the trained models (LoRA merged into them), the curves.
-    if not stop.requested:
-        final["eval/accuracy"] = evaluate(step)
-        checkpoint(step)
-        if rank == 0:
-            merged = [copy.deepcopy(m).merge_and_unload() if args.lora_r else m for m in (raw_model, raw_value)]
-            save_checkpoint(run_dir / "final", merged[0], tokenizer, value_model=merged[1])
-    if rank == 0:
-        plot_curves(metrics_file, run_dir / "curves.png")
-    if wandb:
-        wandb.finish()
-    if ddp:
-        dist.destroy_process_group()
-    final.update({"run_dir": str(run_dir), "interrupted": stop.requested})
-    return final
+    def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
+        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it), and the
+        summary: each eval metric at the start and the end, where final/ is, and `notes` for the next step."""
+        if not self.stop:
+            final.update(self.evaluate(measure))
+            save()
+            if self.rank == 0:
+                save_pretrained(self.dir / "final", model if isinstance(model, torch.nn.Module) else model(), tokenizer)
+                print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
+                    f" | {k} {self.first[k]:.4g} -> {v:.4g}" for k, v in self.last.items() if k.startswith("eval/")))
+                print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)
+        if self.wandb:
+            self.wandb.finish()
+        if self.ddp:
+            dist.destroy_process_group()
+        return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 if __name__ == "__main__":
