@@ -1,8 +1,8 @@
-"""dpo.py: every loss against hand-computed values, masked log-prob sums against a float64 reference,
-the concatenated pass, precomputed reference log-probs, runs, learning, resume, Ctrl-C, bad input."""
+"""dpo.py: every loss against hand-computed values, masked log-prob sums against a float64 reference, the concatenated
+and packed passes, precomputed reference log-probs, runs, learning, resume with precomputed log-probs, bad pairs and
+flags (the shared plumbing: tests/test_lifecycle.py)."""
 import json
 import math
-import os
 import shutil
 import sys
 from dataclasses import replace
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupted_run, read_metrics, train_rows
+from conftest import read_metrics, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -240,7 +240,6 @@ def test_few_step_run_writes_the_run_directory(tiny, tmp_path, loss_type, extra)
     assert [r["step"] for r in evals] == [0, 3] and "eval/accuracy" in evals[0]
     assert out["eval/pref_accuracy"] == evals[-1]["eval/pref_accuracy"]
     assert {p.name for p in (run / "checkpoints").iterdir()} == {"step_2", "step_3"}
-    assert (run / "curves.png").exists()
     final = load_file(run / "final" / "model.safetensors")
     assert not any("lora" in k for k in final)  # LoRA merged: loadable without peft
     AutoModelForCausalLM.from_pretrained(run / "final")
@@ -282,41 +281,24 @@ def test_learning_on_the_embedded_task(tmp_path):
     assert sum(r["rewards/margins"] for r in rows[-5:]) > 0
 
 
-def test_resume_equals_straight_run(tiny, tmp_path):
-    """Resume from step 2 of a 4-step non-default run in a copy of its run directory, with no flag but --resume:
-    steps 3-4 and the final weights equal the straight run's (so the precomputed reference log-probs come from the
-    initial weights, not the checkpoint's); duplicate metrics and half-written checkpoints go."""
+def test_resume_with_precomputed_reference_logps_equals_straight_run(tiny, tmp_path):
+    """Resume from step 2 of a 4-step IPO run with --precompute-ref-logps: steps 3-4 and the final weights equal the
+    straight run's, so the precomputed reference log-probs come from the initial weights, not the checkpoint's."""
     kw = {"total_steps": 4, "eval_split": None, "save_every": 2, "loss_type": "ipo", "batch_size": 2,
           "lr_schedule": "linear", "warmup_steps": 1, "precompute_ref_logps": True}
     straight = dpo.main(tiny_args(tiny, tmp_path / "a", **kw))
     run = tmp_path / "b" / Path(straight["run_dir"]).name
     shutil.copytree(straight["run_dir"], run)
     shutil.rmtree(run / "final")
-    os.replace(run / "checkpoints" / "step_4", run / "checkpoints" / ".tmp-step_4")  # as a kill mid-save leaves it
     resumed = dpo.main(dpo.Args(resume=str(run / "checkpoints" / "step_2")))
-    assert resumed["run_dir"] == str(run)
+    assert resumed["run_dir"] == str(run) and [r["step"] for r in train_rows(run)] == [1, 2, 3, 4]
     for key in ("train/loss", "rewards/margins", "train/lr", "eval/pref_accuracy"):
         assert resumed[key] == pytest.approx(straight[key], abs=1e-6)
+    assert train_rows(run)[2]["rewards/margins"] == pytest.approx(train_rows(straight["run_dir"])[2]["rewards/margins"],
+                                                                  abs=1e-6)
     a = load_file(Path(straight["run_dir"]) / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-    assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4]
-    assert not list((run / "checkpoints").glob(".tmp-*"))
-    saved = json.loads((run / "args.json").read_text())
-    assert saved["batch_size"] == 2 and saved["resumed"][0]["step"] == 2 and saved["resumed"][0]["overrides"] == {}
-    with pytest.raises(ValueError, match=r"--beta 0.5 differs from the run's 0.1.*cannot change on resume"):
-        dpo.main(dpo.Args(resume=str(run / "checkpoints" / "step_2"), beta=0.5))
-
-
-def test_sigint_saves_a_checkpoint_that_resumes(tiny, tmp_path):
-    cmd = [sys.executable, str(ROOT / "dpo.py"), "--model-name-or-path", str(tiny / "model"), "--dataset",
-           str(tiny / "data"), "--output-dir", str(tmp_path), "--total-steps", "100000", "--batch-size", "2",
-           "--eval-split", "None", "--pref-eval-split", "None"]
-    run, ckpt = interrupted_run(cmd, tmp_path)
-    assert (ckpt / "trainer_state.pt").exists() and (run / "curves.png").exists()
-    step = int(ckpt.name.split("_")[1])
-    out = dpo.main(dpo.Args(resume=str(ckpt), total_steps=step + 1))  # the run's own arguments come back
-    assert out["run_dir"] == str(run) and [r["step"] for r in train_rows(run)][-1] == step + 1
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -332,10 +314,10 @@ GOOD = {"prompt": "1+1=", "chosen": "<answer>2</answer>", "rejected": "<answer>3
 
 
 @pytest.mark.parametrize("rows,message", [
-    ([GOOD, {"prompt": "2+2=", "chosen": "<answer>4</answer>"}], "row 2: no column ['rejected']"),
-    ([{"prompt": "2+2=", "rejected": "4"}], "row 1: no column ['chosen']"),
-    ([GOOD, {**GOOD, "rejected": GOOD["chosen"]}], "row 2: chosen and rejected completions are identical"),
-    ([{**GOOD, "chosen": ""}], "row 1: the 'chosen' completion is empty"),
+    ([GOOD, {"prompt": "2+2=", "chosen": "<answer>4</answer>"}], "line 2: no column ['rejected']"),
+    ([{"prompt": "2+2=", "rejected": "4"}], "line 1: no column ['chosen']"),
+    ([GOOD, {**GOOD, "rejected": GOOD["chosen"]}], "line 2: chosen and rejected completions are identical"),
+    ([{**GOOD, "chosen": ""}], "line 1: the 'chosen' completion is empty"),
 ])
 def test_bad_pairs_fail_before_any_work(tiny, tmp_path, rows, message):
     data = write_pairs(tmp_path / "data", rows)
@@ -355,17 +337,33 @@ def test_bad_pairs_fail_before_any_work(tiny, tmp_path, rows, message):
     ({"beta": -0.1}, "--beta must be > 0, got -0.1"),
     ({"rpo_alpha": -1.0}, "--rpo-alpha >= 0"),
     ({"batch_size": 6, "micro_batch_size": 4}, "use --micro-batch-size 3"),
-    ({"dataset_split": "nope"}, "split 'nope' not found"),
     ({"pref_eval_split": "nope"}, "split 'nope' not found"),
-    ({"model_name_or_path": "models/nope"}, "model path 'models/nope' does not exist"),
-    ({"device": "cuda"}, "torch sees no CUDA GPU"),
-    ({"dtype": "float16", "device": "cpu"}, "--dtype float16 on CPU"),
+    ({"pref_eval_limit": -1}, "--pref-eval-limit must be >= 0"),
 ])
 def test_bad_flags_fail_before_any_work(tiny, tmp_path, overrides, message):
     with pytest.raises(ValueError) as e:
         dpo.main(tiny_args(tiny, tmp_path, **overrides))
     assert message in str(e.value)
     assert not any(tmp_path.iterdir())  # no run directory was created
+
+
+def test_micro_batch_defaults_to_the_largest_divisor_up_to_64(tiny, tmp_path):
+    assert dpo.check_args(tiny_args(tiny, tmp_path, batch_size=128, micro_batch_size=0)) == 64
+    assert dpo.check_args(tiny_args(tiny, tmp_path, batch_size=96, micro_batch_size=0)) == 48
+    with pytest.raises(ValueError, match=r"use --micro-batch-size 64 \(or 0, the largest divisor up to 64\)"):
+        dpo.check_args(tiny_args(tiny, tmp_path, batch_size=128, micro_batch_size=100))
+
+
+def test_loaded_pairs_are_checked_too(tiny, tmp_path):
+    """A hub dataset is not read by check_args: its pairs are checked when loaded, naming the split and row."""
+    from transformers import AutoTokenizer
+
+    data = write_pairs(tmp_path / "data", [GOOD, {**GOOD, "rejected": GOOD["chosen"]}])
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    with pytest.raises(ValueError, match=r"split 'prefs', row 2: chosen and rejected completions are identical"):
+        dpo.load_pairs(tokenizer, tiny_args(tiny, tmp_path, dataset=str(data)), "prefs")
+    pairs = dpo.load_pairs(tokenizer, tiny_args(tiny, tmp_path, dataset=str(data), max_completion_length=3), "prefs", 1)
+    assert len(pairs) == 1 and len(pairs[0][1]) == 3 and pairs[0][1] != pairs[0][2]  # cut to 3 tokens, EOS lost
 
 
 def test_trl_benchmark_without_trl_says_how_to_install_it(monkeypatch):
