@@ -1,79 +1,52 @@
 """Hybrid SFT + PPO: one model trained by alternating supervised and PPO steps on a curriculum.
 
-A causal LM with a value head on the same backbone (the policy's last hidden state -> a scalar per token) learns
-from demonstrations and from rewards, the two kinds of step interleaved by a schedule:
+A causal LM with a value head on its own backbone (last hidden state -> one scalar per token) takes two kinds of step:
     SFT step:  completion-only cross-entropy on a batch of demonstrations (InstructGPT, arXiv:2203.02155, Sec. 3.5),
                L = - sum_t log pi(y_t | x, y_<t) / (completion tokens of the batch), as sft.py.
-    PPO step:  ppo.py's step (Ziegler et al., arXiv:1909.08593; "The N+ Implementation Details of RLHF with PPO",
-               arXiv:2403.17031, "N+"), with the value head in place of a separate value model:
+    PPO step:  ppo.py's step (arXiv:1909.08593; N+, arXiv:2403.17031), the value head in place of a value model:
         1. sample a completion o for each prompt q from pi_old, and score it: s = R(q, o)  (- the missing-EOS penalty)
-        2. per-token reward  r_t = -beta KL_t + [t = last token] s,  KL_t = log pi_old(o_t) - log pi_ref(o_t)
-                                                                (Eq. 2 of arXiv:2203.02155, spread over tokens)
+        2. r_t = -beta KL_t + [t = last token] s,  KL_t = log pi_old(o_t) - log pi_ref(o_t)     (Eq. 2 of 2203.02155)
         3. GAE with the value head's V_t (Eq. 16 of arXiv:1506.02438), R_t = A_t + V_t
-        4. epochs of shuffled mini-batches minimising the clipped surrogate, the clipped value loss and the entropy
-           bonus (Eq. 7 and 9 of arXiv:1707.06347)
+        4. epochs of mini-batches: clipped surrogate, clipped value loss, entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
         5. adapt beta to the batch's KL (Sec. 2.2 of arXiv:1909.08593).
-    Curriculum: the share of SFT steps moves from --sft-fraction-start to --sft-fraction-end over the run (linear,
-               cosine, or one step half-way); which step is which is a fixed function of the seed.
+    Curriculum: the share f(s) of SFT steps moves from --sft-fraction-start to --sft-fraction-end (linear, cosine or
+               step); step s is SFT iff floor(c(s) + u) > floor(c(s - 1) + u), c(s) = f(1) + ... + f(s), u from the seed.
 
 Run:
     python hybrid.py                                              # embedded: models/tiny-arith on data/arith
-    python hybrid.py --sft-fraction-start 1 --sft-fraction-end 1  # SFT only (the ablation's baselines)
-    python hybrid.py --sft-fraction-start 0 --sft-fraction-end 0  # PPO only
+    python hybrid.py --sft-fraction-start 1 --sft-fraction-end 1  # SFT only (0 and 0: PPO only)
     python hybrid.py --sft-split sft_noisy                        # 40% of the demonstrations make a slip
     python hybrid.py --reward my_spec.json --optimizer adafactor --lr-scheduler reduce_on_plateau
-    python hybrid.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template \
-        --dataset my/hub-dataset --max-completion-length 256 --max-length 512 \
-        --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16   # any HF causal LM (LoRA needs `pip install peft`)
-    torchrun --nproc-per-node 2 hybrid.py                        # data parallel (DDP), gloo on CPU, nccl on GPU
+    python hybrid.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
+        --max-completion-length 256 --max-length 512 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
+    torchrun --nproc-per-node 2 hybrid.py                         # data parallel (gloo on CPU, nccl on GPU)
 
-Deviations and choices:
-- The value head is one linear layer on the policy's last hidden state (shared backbone, as the issue asks; ppo.py
-  keeps a separate value model, as N+ does), zero-initialised so that V = 0 at the start. V_t is read at the hidden
-  state that predicts completion token t, so log-probs and values come from one forward pass. It is saved as
-  `value_head.safetensors` beside the language model in each checkpoint and in `final/` (which loads with
-  `AutoModelForCausalLM` alone).
-- The default reward's text part (`rouge_l`) compares a completion with the demonstration of its prompt (the column
-  `target`). The RL split (data/arith `train`: prompt, answer) has no completions; when it has no `target` column,
-  each RL prompt takes the completion of the same prompt in the SFT split (data/arith's `sft` split holds the train
-  prompts, data/make_arith.py), joined on the prompt text. The join uses the whole SFT split, also under --sft-limit
-  (which limits only what SFT steps see); an RL prompt without a demonstration is an error.
-- Step kinds: step s is an SFT step when floor(c(s) + u) > floor(c(s - 1) + u), where c(s) sums the curriculum's
-  fractions over steps 1..s and u in [0, 1) is drawn from the seed. Every window of steps holds its share of SFT
-  steps to within one, the seed shifts the phase, and nothing needs saving to resume.
-- One optimiser for backbone, LM head and value head (the head in its own parameter group: --value-head-lr), chosen by
-  name (--optimizer); one learning-rate schedule from the libraries (transformers.get_scheduler, or
-  torch.optim.lr_scheduler), advanced once per step of either kind; reduce_on_plateau steps on eval/accuracy at each
-  evaluation instead. --warmup-steps applies to the transformers schedules. --total-steps shapes the curriculum and
-  the schedule, so it cannot change on --resume.
-- Defaults are chosen for the embedded model (README): an SFT step is 64 demonstrations, a PPO step 64 prompts x 1
-  completion, one epoch of one mini-batch; lr 3e-4 with cosine decay over 400 steps (the README compares 1e-4), a
-  curriculum from 90% to 30% SFT steps. Pure PPO at this lr damages the fragile 0.9M-parameter model (README).
-- As ppo.py: losses are token means over each mini-batch, accumulated over micro-batches exactly; advantages are
-  whitened per process; log-probs are of softmax(logits / --temperature); dropout is off; the reference is a frozen
-  copy of the starting policy (with LoRA: the policy with its adapters off). An SFT step's loss is the token mean over
-  the whole global batch, as sft.py's; it gives the value head no gradient (so under torchrun DDP runs with
-  find_unused_parameters, and warns about it once on a PPO step).
-- On the embedded task, SFT alone beats this curriculum at equal wall time, with gold and with noisy demonstrations
-  (README, "hybrid.py"): the schedule is the experiment, not a claim that mixing wins.
+Deviations and choices (why, and the measurements: docs/hybrid.md):
+- The value head is one zero-initialised linear layer on the policy's last hidden state (ppo.py keeps a separate value
+  model), saved as `value_head.safetensors` beside the model; final/ loads with AutoModelForCausalLM alone.
+- The default reward's `rouge_l` compares with the demonstration (`target`): an RL split without that column takes the
+  SFT split's completion of the same prompt (the whole split, also under --sft-limit).
+- One optimiser (the value head in its own parameter group) and one library schedule, advanced once per step of either
+  kind; reduce_on_plateau steps on eval/accuracy. --total-steps shapes the curriculum, so it cannot change on resume.
+- Defaults fit the embedded model: 64 demonstrations or 64 prompts x 1 completion a step, lr 3e-4, 90% -> 30% SFT.
+- As ppo.py: token-mean losses per mini-batch, advantages whitened per process, log-probs of softmax(logits / T),
+  dropout off, the reference a frozen copy (LoRA: adapters off). An SFT step's loss is the global batch's token mean.
+- On the embedded task SFT alone beats this curriculum at equal time: the schedule is the experiment, not a claim.
 """
 
 import copy
 import json
 import math
-import netrc
 import os
 import random
 import re
 import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional
-from urllib.parse import urlparse
+from typing import Callable, Literal, Optional
 
 import numpy as np
 import torch
@@ -145,8 +118,7 @@ class Args:
     eval_limit: int = 500
     """evaluate on at most this many eval examples"""
     lora_r: int = 0
-    """rank of LoRA adapters on every linear layer (0: train all weights; the value head trains in full); needs
-    `pip install peft`"""
+    """rank of LoRA adapters on every linear layer (0: all weights; the value head trains in full); needs peft"""
     lora_alpha: float = 32.0
     """LoRA scaling numerator (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
@@ -176,8 +148,7 @@ class Args:
     top_k: int = 0
     """sample among the k most likely tokens (0: off)"""
     reward: str = DEFAULT_REWARD
-    """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file (also the specification's
-    {"REWARD": {"type": "weighted_sum", "components": [...]}} form)"""
+    """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file (also the {"REWARD": ...} form)"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a completion that reaches --max-completion-length without EOS"""
     beta: float = 0.05
@@ -233,16 +204,13 @@ class Args:
     momentum: float = 0.0
     """momentum of SGD and RMSprop"""
     total_steps: int = 400
-    """training steps of either kind; they shape the curriculum and the lr schedule, so they cannot change on
-    --resume"""
+    """training steps of either kind; they shape the curriculum and the lr schedule, so cannot change on --resume"""
     micro_batch_size: int = 0
-    """completions per forward/backward pass, grouped by length so each is padded to its own longest;
-    gradient accumulation covers the rest of a mini-batch (0: the largest divisor of the mini-batch up to 128)"""
+    """rows per forward/backward pass, length-sorted, gradients accumulated (0: largest divisor up to 128)"""
     lr_scheduler: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                           "inverse_sqrt", "step", "multistep", "exponential", "onecycle", "cyclic",
                           "reduce_on_plateau"] = "cosine"
-    """transformers.get_scheduler's schedules, or torch's (reduce_on_plateau steps on eval/accuracy at each
-    evaluation, so it needs --eval-split and --eval-every)"""
+    """transformers.get_scheduler's schedules, or torch's (reduce_on_plateau: on eval/accuracy at each evaluation)"""
     warmup_steps: int = 20
     """linear warmup steps of the transformers schedules"""
     lr_step_size: int = 100
@@ -276,16 +244,14 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     resume: Optional[str] = None
-    """checkpoint folder (runs/<run>/checkpoints/step_N) to continue from, in its run directory, with the run's own
-    arguments; flags given here that differ from their defaults may change the cadence (--log-every, --eval-every,
-    --save-every, --eval-limit, tracking, --device), any other is refused"""
+    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
     num_sample_completions: int = 8
     """completions per logging step in the --track table"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 
 
-# ----------------------------------------------------------------------------- math
+# ---- the algorithm: the curriculum
 
 
 def sft_fraction(step: int, total_steps: int, start: float, end: float, curriculum: str) -> float:
@@ -313,6 +279,9 @@ def step_kinds(total_steps: int, start: float, end: float, curriculum: str, seed
     return kinds
 
 
+# ---- SFT steps (as sft.py)
+
+
 def sft_token_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed next-token negative log-likelihood of the labelled tokens, and their count: sft.py's
@@ -326,6 +295,64 @@ def sft_token_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     logp = linear_token_logprobs(hidden[:, :-1], model.get_output_embeddings().weight.to(hidden.dtype),
                                  targets.clamp(min=0))
     return -(logp * keep).sum(), int(keep.sum())
+
+
+def build_example(prompt_ids: list[int], completion_ids: list[int], eos_id: int, max_length: int):
+    """input_ids = prompt + completion + EOS, truncated to max_length; labels mask the prompt."""
+    ids = (prompt_ids + completion_ids + [eos_id])[:max_length]
+    labels = ([-100] * len(prompt_ids) + completion_ids + [eos_id])[:max_length]
+    return ids, labels
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-pad to the longest example: input_ids, attention_mask, labels, each [B, T]."""
+    width = max(len(ids) for ids, _ in examples)
+    out = torch.full((3, len(examples), width), 0, dtype=torch.long)
+    out[0].fill_(pad_id)
+    out[2].fill_(-100)
+    for i, (ids, labels) in enumerate(examples):
+        out[0, i, : len(ids)] = torch.tensor(ids)
+        out[1, i, : len(ids)] = 1
+        out[2, i, : len(labels)] = torch.tensor(labels)
+    return out[0], out[1], out[2]
+
+
+def sft_step(actor_critic, optimizer, batch: list[tuple], run, micro: int, pad_id: int, max_grad_norm: float,
+             autocast) -> tuple[dict, int]:
+    """One SFT step on the global `batch` of (ids, labels): the completion-only NLL divided by the batch's completion
+    tokens (sft.py's loss), this process's share in micro-batches, one optimiser update -> (metrics, tokens)."""
+    n_tokens = sum(sum(1 for t in labels[1:] if t != -100) for _, labels in batch)
+    share = len(batch) // run.world
+    mine = batch[run.rank * share : (run.rank + 1) * share]
+    nll_sum = 0.0
+    for k in range(0, share, micro):
+        ids, mask, labels = (t.to(run.device) for t in collate(mine[k : k + micro], pad_id))
+        with (actor_critic.no_sync() if run.ddp and k + micro < share else torch.enable_grad()), autocast:
+            nll, _ = actor_critic(ids, mask, labels=labels)
+            (nll * run.world / n_tokens).backward()  # DDP averages gradients over processes
+        nll_sum += nll.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    local = torch.tensor([nll_sum, sum(len(ids) for ids, _ in mine)], device=run.device)
+    if run.ddp:
+        dist.all_reduce(local)
+    loss = local[0].item() / n_tokens
+    return {"train/loss": loss, "train/sft_loss": loss, "train/grad_norm": float(grad_norm)}, int(local[1].item())
+
+
+def demonstration_targets(prompts: list, sft_prompts: list, sft_completions: list, split: str) -> list[str]:
+    """The demonstration of each RL prompt: the SFT split's completion of the same prompt (the `target` column)."""
+    by_prompt = {json.dumps(p): c for p, c in zip(sft_prompts, sft_completions)}
+    missing = [i for i, p in enumerate(prompts) if json.dumps(p) not in by_prompt]
+    if missing:
+        raise ValueError(f"{len(missing)} RL prompts have no demonstration in the SFT split '{split}' (row "
+                         f"{missing[0]}: {prompts[missing[0]]!r}), and the reward needs one as `target`: give the RL "
+                         f"split a `target` column, or use a --reward without a reference-based component")
+    return [by_prompt[json.dumps(p)] for p in prompts]
+
+
+# ---- PPO steps: ppo.py's math, verbatim (tests/test_hybrid.py holds them equal)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -463,7 +490,6 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tupl
     return (eos_before == 0).float(), ~is_eos.any(dim=1)
 
 
-
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                         temperature: float, with_entropy: bool = False):
     """Log-probs of the completion tokens from the last hidden states and the lm_head, never the full logits.
@@ -480,6 +506,32 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return linear_token_logprobs(hidden[:, prompt_width - 1 : -1], weight.to(hidden.dtype), input_ids[:, prompt_width:],
                                  temperature=temperature, with_entropy=with_entropy)
 
+
+def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
+    """Rows grouped `size` at a time by completion length (longest first), with the columns each group needs,
+    so that a micro-batch is padded to its own longest prompt and completion rather than the batch's.
+
+    prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc]
+    -> [(rows [size] long, first prompt column kept, completion columns kept)].
+    """
+    lengths = completion_mask.sum(dim=1)
+    out = []
+    for rows in torch.argsort(lengths, descending=True, stable=True).split(size):
+        first = int(prompt_mask[rows].any(dim=0).float().argmax())  # the first column holding a prompt token
+        out.append((rows, first, int(lengths[rows].max())))
+    return out
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids [B, T] left-padded with pad_id, attention mask [B, T])."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids, mask
 
 
 class ActorCritic(torch.nn.Module):
@@ -504,87 +556,194 @@ class ActorCritic(torch.nn.Module):
                                               temperature=temperature, with_entropy=True)
         return logp, entropy, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
-
-def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
-    """Rows grouped `size` at a time by completion length (longest first), with the columns each group needs,
-    so that a micro-batch is padded to its own longest prompt and completion rather than the batch's.
-
-    prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc]
-    -> [(rows [size] long, first prompt column kept, completion columns kept)].
-    """
-    lengths = completion_mask.sum(dim=1)
-    out = []
-    for rows in torch.argsort(lengths, descending=True, stable=True).split(size):
-        first = int(prompt_mask[rows].any(dim=0).float().argmax())  # the first column holding a prompt token
-        out.append((rows, first, int(lengths[rows].max())))
-    return out
+    def save_pretrained(self, path, **kwargs) -> None:
+        """The language model as its save_pretrained writes it, and value_head.safetensors beside it."""
+        self.policy.save_pretrained(path, **kwargs)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
+                  Path(path) / "value_head.safetensors")
 
 
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
+    """The prompts as text: as they are, or (chat models) wrapped in the tokenizer's chat template."""
+    if not use_chat_template:
+        if not isinstance(values[0], str):
+            raise ValueError(f"prompts in column '{column}' are chat messages: pass --use-chat-template")
+        return list(values)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"--use-chat-template: the tokenizer of {tokenizer.name_or_path} has no chat template")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": v}] if isinstance(v, str) else v,
+                                          tokenize=False, add_generation_prompt=True) for v in values]
 
 
-def answer_matches(text: str, answer: str) -> bool:
-    """True when the text's <answer>...</answer> equals the reference (numerically where both parse)."""
-    m = ANSWER_RE.search(text)
-    if m is None:
-        return False
-    got, want = m.group(1).strip(), str(answer).strip()
-    try:
-        return float(got) == float(want)
-    except ValueError:
-        return got == want
+class DataOrder:
+    """Prompt indices in seeded random epochs; draws go on across steps, and across a resume."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.gen = n, torch.Generator().manual_seed(seed)
+        self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
+
+    def draw(self, k: int) -> list[int]:
+        picked = []
+        while len(picked) < k:
+            if self.cursor == len(self.order):
+                self.order, self.cursor = torch.randperm(self.n, generator=self.gen), 0
+            take = self.order[self.cursor : self.cursor + k - len(picked)].tolist()
+            picked, self.cursor = picked + take, self.cursor + len(take)
+        return picked
+
+    def state(self) -> dict:
+        return {"order_gen": self.gen.get_state(), "order": self.order, "cursor": self.cursor}
+
+    def load(self, state: dict) -> None:
+        self.gen.set_state(state["order_gen"])
+        self.order, self.cursor = state["order"], int(state["cursor"])
 
 
-# ----------------------------------------------------------------------------- rollouts
+@torch.no_grad()
+def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, reward, autocast, timing: dict) -> dict:
+    """Steps 1-2 of Algorithm 1 (arXiv:2402.03300) for the prompts `rows`: sample (one batched generate with the KV
+    cache) and score. data: {"ids", "prompts", "texts", "columns"} of the split -> the rollout batch."""
+    ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
+    t0 = time.perf_counter()
+    with autocast:
+        completion_ids = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)[:, ids.shape[1]:]
+    t1 = time.perf_counter()
+    c_mask, truncated = completion_mask(completion_ids, eos_ids)
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    trace = reward.trace(completions, prompts=[data["prompts"][i] for i in rows],
+                         completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)],
+                         **{name: [v[i] for i in rows] for name, v in data["columns"].items()})
+    timing["generate"] += t1 - t0
+    timing["score"] += time.perf_counter() - t1
+    return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
+            "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
+            "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
 
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (ids [B, T] left-padded with pad_id, attention mask [B, T])."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-    return ids, mask
+def micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list:
+    """Rows of the batch -> [(rows, first prompt column, completion width)], `size` rows each, length-sorted."""
+    return [(rows[sub], first, end) for sub, first, end in
+            length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows], size)]
 
 
-# ----------------------------------------------------------------------------- demonstrations (as sft.py)
+def reference_logprobs(ref_model, model, ids, attention, prompt_width: int, temperature: float) -> torch.Tensor:
+    """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the base model without adapters."""
+    if ref_model is not None:
+        return completion_logprobs(ref_model, ids, attention, prompt_width, temperature)
+    with model.disable_adapter():
+        return completion_logprobs(model, ids, attention, prompt_width, temperature)
 
 
-def build_example(prompt_ids: list[int], completion_ids: list[int], eos_id: int, max_length: int):
-    """input_ids = prompt + completion + EOS, truncated to max_length; labels mask the prompt."""
-    ids = (prompt_ids + completion_ids + [eos_id])[:max_length]
-    labels = ([-100] * len(prompt_ids) + completion_ids + [eos_id])[:max_length]
-    return ids, labels
+@torch.no_grad()
+def compute_advantages(actor_critic, batch: dict, reference: Optional[Callable], kl_coef: float, args, micro: int,
+                       autocast) -> dict:
+    """Steps 2-3 for a scored rollout batch: log-probs of pi_old and pi_ref and the values V_old at every completion
+    token (recomputed rather than taken from `generate`, as N+ does), per-token rewards (-beta KL_t, the score at the
+    last token), GAE (Eq. 16 of arXiv:1506.02438) and whitening -> the batch with the [B, T] tensors the update needs."""
+    mask = batch["completion_mask"]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], mask.long()], dim=1)
+    width = batch["prompt_ids"].shape[1]
+    old_logp, ref_logp, old_values = (torch.zeros_like(mask) for _ in range(3))
+    with autocast:
+        for r, first, end in micro_batches(batch, torch.arange(len(mask), device=mask.device), micro):
+            inputs = (ids[r, first : width + end], attention[r, first : width + end], width - first)
+            old_logp[r, :end], _, old_values[r, :end] = actor_critic(*inputs, args.temperature)
+            if reference is not None:
+                ref_logp[r, :end] = reference(*inputs)
+    kl = per_token_kl(old_logp, ref_logp, args.kl_estimator) * mask if reference is not None else torch.zeros_like(mask)
+    rewards = per_token_rewards(batch["scores"], kl, mask, kl_coef)
+    if args.whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
+    if args.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+    return {**batch, "ids": ids, "attention": attention, "width": width, "old_logp": old_logp, "kl": kl,
+            "old_values": old_values, "advantages": advantages, "returns": returns}
 
 
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
-    """Right-pad to the longest example: input_ids, attention_mask, labels, each [B, T]."""
-    width = max(len(ids) for ids, _ in examples)
-    out = torch.full((3, len(examples), width), 0, dtype=torch.long)
-    out[0].fill_(pad_id)
-    out[2].fill_(-100)
-    for i, (ids, labels) in enumerate(examples):
-        out[0, i, : len(ids)] = torch.tensor(ids)
-        out[1, i, : len(ids)] = 1
-        out[2, i, : len(labels)] = torch.tensor(labels)
-    return out[0], out[1], out[2]
+def ppo_update(actor_critic, optimizer, b: dict, args, micro: int, autocast) -> dict:
+    """Step 4: --num-ppo-epochs passes over shuffled mini-batches, one optimiser update of model and value head each:
+    the clipped policy loss (Eq. 7 of arXiv:1707.06347), the clipped value loss and the entropy bonus (Eq. 9), token
+    means over the mini-batch; --target-kl stops the remaining epochs. -> token sums, last grad norms, epochs run."""
+    ddp = isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
+    mask, ids, attention, width = b["completion_mask"], b["ids"], b["attention"], b["width"]
+    policy_params, value_params = (group["params"] for group in optimizer.param_groups)
+    sums = dict.fromkeys(("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy",
+                          "tokens"), 0.0)
+    for epoch in range(args.num_ppo_epochs):
+        epoch_kl = torch.zeros(2, device=mask.device)  # approximate-KL token sum, tokens
+        for rows in torch.randperm(len(mask)).to(mask.device).split(len(mask) // args.num_mini_batches):
+            chunks, n_tokens = micro_batches(b, rows, micro), mask[rows].sum()
+            for k, (r, first, end) in enumerate(chunks):
+                m = mask[r, :end]
+                with (actor_critic.no_sync() if ddp and k < len(chunks) - 1 else torch.enable_grad()), autocast:
+                    logp, entropy, values = actor_critic(ids[r, first : width + end], attention[r, first : width + end],
+                                                         width - first, args.temperature)
+                    per_token, _, clipped = clipped_policy_loss(logp, b["old_logp"][r, :end], b["advantages"][r, :end],
+                                                                clip_low=args.clip_low, clip_high=args.clip_high)
+                    vf_loss, vf_clipped = value_loss(values, b["old_values"][r, :end], b["returns"][r, :end], m,
+                                                     args.cliprange_value)
+                    pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
+                    share = m.sum() / n_tokens  # this micro-batch's part of the mini-batch's token mean
+                    ((pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent) * share).backward()
+                log_ratio = logp.detach() - b["old_logp"][r, :end]
+                approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, m)  # k3 of KL(pi_old || pi)
+                tokens = float(m.sum())
+                for name, x in (("policy_loss", pg_loss), ("value_loss", vf_loss), ("entropy", ent),
+                                ("clip_frac", masked_mean(clipped, m)), ("value_clip_frac", vf_clipped),
+                                ("approx_kl", approx_kl)):
+                    sums[name] += x.item() * tokens
+                sums["tokens"] += tokens
+                epoch_kl += torch.stack([approx_kl * tokens, m.sum()])
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
+            value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if args.target_kl is not None:  # every process sees the same KL, so all stop together
+            if ddp:
+                dist.all_reduce(epoch_kl)
+            if float(epoch_kl[0] / epoch_kl[1]) > args.target_kl:
+                break
+    return {**sums, "grad_norm": float(grad_norm), "value_grad_norm": float(value_grad_norm), "epochs": epoch + 1}
 
 
-def demonstration_targets(prompts: list, sft_prompts: list, sft_completions: list, split: str) -> list[str]:
-    """The demonstration of each RL prompt: the SFT split's completion of the same prompt (the `target` column)."""
-    by_prompt = {json.dumps(p): c for p, c in zip(sft_prompts, sft_completions)}
-    missing = [i for i, p in enumerate(prompts) if json.dumps(p) not in by_prompt]
-    if missing:
-        raise ValueError(f"{len(missing)} RL prompts have no demonstration in the SFT split '{split}' (row "
-                         f"{missing[0]}: {prompts[missing[0]]!r}), and the reward needs one as `target`: give the RL "
-                         f"split a `target` column, or use a --reward without a reference-based component")
-    return [by_prompt[json.dumps(p)] for p in prompts]
+def ppo_step(actor_critic, optimizer, batch: dict, reference: Optional[Callable], kl_ctl: KLController, run, args,
+             micro: int, autocast) -> tuple[dict, int]:
+    """Steps 2-5 on a rollout batch: scores, advantages, the PPO epochs, the KL controller -> (metrics, tokens)."""
+    device = batch["completion_mask"].device
+    batch["scores"] = penalise_missing_eos(batch["rewards"]["total"].to(device), batch["truncated"],
+                                           args.missing_eos_penalty)
+    kl_coef = kl_ctl.value
+    b = compute_advantages(actor_critic.module if run.ddp else actor_critic, batch, reference, kl_coef, args, micro,
+                           autocast)
+    sums = ppo_update(actor_critic, optimizer, b, args, micro, autocast)
+    # 5. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
+    batch_kl = float(run.gather(b["kl"].sum(dim=1)).mean())
+    kl_ctl.update(batch_kl, args.prompts_per_step * args.num_generations)
+    mask = b["completion_mask"]
+    lengths = mask.sum(dim=1)
+    keys = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy")
+    local = torch.tensor([*(sums[k] for k in keys), sums["tokens"], float(lengths.sum()), float(batch["truncated"].sum()),
+                          len(lengths), explained_variance(b["old_values"], b["returns"], mask)], device=device)
+    if run.ddp:
+        dist.all_reduce(local)
+    *token_sums, n_tok, len_sum, n_trunc, n_seq, ev_sum = local.tolist()
+    means = {f"train/{k}": v / max(n_tok, 1) for k, v in zip(keys, token_sums)}
+    return {"train/loss": means["train/policy_loss"] + args.vf_coef * means["train/value_loss"]
+            - args.entropy_coef * means["train/entropy"],
+            "train/reward": float(run.gather(batch["rewards"]["total"].to(device)).mean()),
+            **{f"rewards/{k}": float(run.gather(v.to(device)).mean()) for k, v in batch["rewards"].items()
+               if k != "total"},
+            "train/score": float(run.gather(batch["scores"]).mean()), "train/kl": batch_kl,
+            "train/kl_coef": kl_coef, "train/non_score_reward": -kl_coef * batch_kl, **means,
+            "train/explained_variance": ev_sum / run.world, "train/value_mean": float(masked_mean(b["old_values"], mask)),
+            "train/grad_norm": sums["grad_norm"], "train/value_grad_norm": sums["value_grad_norm"],
+            "train/ppo_epochs": sums["epochs"], "train/completion_length": len_sum / n_seq,
+            "train/truncated_frac": n_trunc / n_seq}, int(b["attention"].sum()) * run.world
 
 
-# ----------------------------------------------------------------------------- optimiser and schedule
+# ---- optimiser and schedule, by name
 
 
 def make_optimizer(name: str, param_groups: list[dict], args: Args) -> torch.optim.Optimizer:
@@ -649,315 +808,25 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer, args: Args):
     raise ValueError(f"unknown lr scheduler {name!r}; valid schedulers: {', '.join(HF_SCHEDULERS + TORCH_SCHEDULERS)}")
 
 
-
-# ----------------------------------------------------------------------------- run plumbing
-
-
-def load_split(dataset: str, split: str):
-    """A split of a local folder of `<split>.jsonl`, a local JSON-lines file, or a hub dataset."""
-    path = Path(dataset)
-    if path.is_dir():
-        file = path / f"{split}.jsonl"
-        if not file.exists():
-            have = sorted(f.stem for f in path.glob("*.jsonl"))
-            raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
-        return load_dataset("json", data_files={split: str(file)}, split=split)
-    if path.is_file():
-        return load_dataset("json", data_files=str(path), split="train")
-    return load_dataset(dataset, split=split)
+# not total_steps, which shapes the curriculum and the schedule
+RESUME_MAY_CHANGE = ("log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions", "track",
+                     "wandb_project_name", "wandb_entity", "device")
 
 
-def check_columns(ds, columns: list[str], what: str) -> None:
-    missing = [c for c in columns if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"{what} has no column {missing}; available columns: {ds.column_names} "
-                         f"(choose with --prompt-column/--completion-column/--answer-column, or pick a --reward that "
-                         f"does not need it)")
-    if len(ds) == 0:
-        raise ValueError(f"{what} is empty: it needs at least one row")
-
-
-@torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, device, eos_ids, batch_size=128,
-                    progress=False):
-    """Greedy decoding on left-padded batches; returns (accuracy, [(prompt, completion, answer)])."""
-    model.eval()
-    correct, samples = 0, []
-    for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
-        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True,
-                        padding_side="left", add_special_tokens=False).to(device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids)
-        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-        for p, t, a in zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size]):
-            correct += answer_matches(t, a)
-            samples.append((p, t, a))
-    model.train()
-    return correct / max(1, len(prompts)), samples
-
-
-def jsonl_columns(dataset: str, split: str) -> Optional[set]:
-    """The columns of a local split's first row (None for a hub dataset), to check them before any loading."""
-    path = Path(dataset).expanduser()
-    file = path / f"{split}.jsonl" if path.is_dir() else path if path.is_file() else None
-    if file is None:
-        return None
-    with file.open() as f:
-        for line in f:
-            if line.strip():
-                return set(json.loads(line))
-    return None
-
-
-def save_checkpoint(path: Path, model, tokenizer, state: Optional[dict] = None, value_head=None) -> None:
-    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. The value head
-    goes beside the language model, as `value_head.safetensors`."""
-    tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if value_head is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in value_head.state_dict().items()},
-                  tmp / "value_head.safetensors")
-    if state is not None:
-        torch.save(state, tmp / "trainer_state.pt")
-        (tmp / "args.json").write_text(json.dumps(state["args"], indent=2))
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def plot_curves(metrics_file: Path, out: Path,
-                keys=("train/reward", "eval/accuracy", "train/sft_loss", "train/sft_fraction", "train/kl")) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3))
-    for ax, key in zip(axes, keys):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------- run lifecycle
-
-# Flags a resumed run may change (a notice is printed); any other flag that differs from the run's own value
-# is refused, since it would change the algorithm or the data (--total-steps shapes the curriculum). The run
-# directory is the checkpoint's, so --exp-name and --output-dir are ignored on resume.
-RESUME_MAY_CHANGE = ("log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
-                     "track", "wandb_project_name", "wandb_entity", "device")
-RESUME_IGNORES = ("exp_name", "output_dir", "run_name", "resume")
-
-
-def resume_args(args: Args) -> tuple[Args, dict]:
-    """--resume: the run's own arguments from the checkpoint, with the flags given on this command line that
-    differ from their defaults applied on top (RESUME_MAY_CHANGE) or refused. -> (args, {flag: [run's, new]})."""
-    saved = json.loads((Path(args.resume) / "args.json").read_text())
-    saved["lr_milestones"] = tuple(saved.get("lr_milestones", ()))  # JSON has no tuples
-    defaults, out, changed = Args(), Args(**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}), {}
-    for name in Args.__dataclass_fields__:
-        given = getattr(args, name)
-        if name in RESUME_IGNORES or given == getattr(defaults, name) or given == saved.get(name):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if name not in RESUME_MAY_CHANGE:
-            raise ValueError(f"{flag} {given} differs from the run's {saved.get(name)!r} ({args.resume}/args.json): "
-                             f"it would change the algorithm or the data, so it cannot change on resume; drop the "
-                             f"flag, or start a new run. Flags that may change: "
-                             f"{', '.join('--' + n.replace('_', '-') for n in RESUME_MAY_CHANGE)}")
-        setattr(out, name, given)
-        changed[name] = [saved.get(name), given]
-    out.resume = args.resume
-    return out, changed
-
-
-def looks_local(name: str) -> bool:
-    """A path rather than a hub id: starts with . / ~, ends in .json/.jsonl, or its first part exists here."""
-    return (name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1
-            or ("/" in name and Path(name.split("/")[0]).exists()))
-
-
-def check_hub_reachable(kind: str, name: str, local_hint: str) -> None:
-    """A hub id is meant: fail at once when the hub cannot be reached, rather than after retries."""
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
-    if offline:
-        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
-                         f"pass a local path ({local_hint}) or unset {offline[0]}")
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-    except OSError:
-        raise ValueError(f"{kind} '{name}' is not a local path and huggingface.co cannot be reached (offline?): "
-                         f"pass a local path ({local_hint})") from None
-
-
-def check_jsonl(file: Path) -> None:
-    """Every line of a JSON-lines file is a JSON object, and there is at least one: name the file and line if not."""
-    n = 0
-    with file.open() as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{file}, line {i}: expected a JSON object with named columns, got {type(row).__name__}")
-            n += 1
-    if n == 0:
-        raise ValueError(f"{file} is empty: it needs at least one JSON line")
-
-
-def check_dataset(dataset: str, splits: list[str]) -> None:
-    """The dataset and its splits exist and parse, before anything is loaded."""
-    path = Path(dataset).expanduser()
-    if path.is_dir():
-        for split in splits:
-            file = path / f"{split}.jsonl"
-            if not file.exists():
-                have = sorted(f.stem for f in path.glob("*.jsonl"))
-                raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
-            check_jsonl(file)
-    elif path.is_file():
-        check_jsonl(path)
-    elif looks_local(dataset):
-        raise ValueError(f"dataset '{dataset}' does not exist: pass a folder of <split>.jsonl files, a .jsonl file "
-                         f"(e.g. data/arith) or a hub id")
-    else:
-        check_hub_reachable("dataset", dataset, "e.g. data/arith")
-
-
-def check_model_path(name: str) -> None:
-    """A local model folder has a config and a tokenizer; a hub id needs the hub."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
-                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
-        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise ValueError(f"model folder '{name}' has no tokenizer (tokenizer.json or tokenizer_config.json): "
-                             f"save the tokenizer beside the weights")
-    elif path.exists() or looks_local(name):
-        raise ValueError(f"model path '{name}' does not exist or is not a folder: pass a local model folder "
-                         f"(e.g. models/tiny-arith) or a Hugging Face id")
-    else:
-        check_hub_reachable("model", name, "e.g. models/tiny-arith")
-
-
-def check_device(device: str, dtype: str) -> None:
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise ValueError(f"--device {device}: use auto, cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}, but torch sees no CUDA GPU on this machine: use --device cpu (or auto)")
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if on_cpu and dtype == "float16":
-        raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
-                         "(or bfloat16) on CPU; float16 is for GPUs")
-
-
-def check_wandb_login() -> None:
-    """--track: wandb is installed and logged in (or offline), before any work is done."""
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise ValueError("--track needs the wandb package: `pip install wandb`") from None
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
-        return
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        login = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
-    except (OSError, netrc.NetrcParseError):
-        login = None
-    if not login:
-        raise ValueError(f"--track: no Weights & Biases login for {host}: run `wandb login` (or set WANDB_API_KEY), "
-                         f"or log locally with WANDB_MODE=offline")
-
-
-def fit_micro_batch(requested: int, per_process: int, what: str) -> int:
-    """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to 128."""
-    if requested == 0:
-        return max(d for d in range(1, min(128, per_process) + 1) if per_process % d == 0)
-    if per_process % requested:
-        works = [d for d in range(1, min(requested, per_process) + 1) if per_process % d == 0][-1]
-        raise ValueError(f"{what} = {per_process} is not divisible by --micro-batch-size {requested}: use "
-                         f"--micro-batch-size {works} (or 0, the largest divisor up to 128)")
-    return requested
-
-
-def clean_run_dir(run_dir: Path, step: int) -> None:
-    """On resume: drop half-written checkpoints left by a kill, and metrics logged after the checkpoint's step."""
-    for tmp in [*run_dir.glob("checkpoints/.tmp-*"), *run_dir.glob("checkpoints/.old-*"), *run_dir.glob(".tmp-*"),
-                *run_dir.glob(".old-*")]:
-        shutil.rmtree(tmp, ignore_errors=True)
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        rows = [line for line in metrics.read_text().splitlines() if line.strip()]
-        metrics.write_text("".join(line + "\n" for line in rows if json.loads(line)["step"] <= step))
-
-
-class Interrupt:
-    """Ctrl-C: the first asks the loop to finish its step and save; the second quits at once, without saving."""
-
-    def __init__(self, rank: int):
-        self.requested, self.rank, self.step = False, rank, 0
-
-    def __enter__(self):
-        self.previous = signal.signal(signal.SIGINT, self.first)
-        return self
-
-    def first(self, signum, frame):
-        # the second Ctrl-C's handler goes in first: one arriving while the notice is written must not run this again
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        self.requested = True
-        if self.rank == 0:
-            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
-                  f"saving)", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self.previous)
-
-
-def eta(seconds: float) -> str:
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else \
-        f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-
-
-def validate(args: Args) -> tuple[int, int]:
-    """Every check that needs no model or data loading; -> the micro-batch sizes each process uses (PPO, SFT)."""
-    for name in ("total_steps", "prompts_per_step", "num_generations", "max_completion_length", "max_prompt_length",
-                 "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon", "sft_batch_size", "max_length",
-                 "lr_step_size"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "top_k", "num_sample_completions",
-                 "micro_batch_size", "sft_limit", "plateau_patience"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+def check_args(args: Args) -> tuple[int, int]:
+    """Every check that needs no model or data loading, before any work; -> the micro-batches (PPO, SFT) of a process."""
+    check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
+                        "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
+                        "sft_batch_size", "max_length", "lr_step_size", "learning_rate"),
+                 ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "top_k", "num_sample_completions",
+                  "micro_batch_size", "sft_limit", "plateau_patience"), (args.model_name_or_path,))
     for name in ("sft_fraction_start", "sft_fraction_end"):
         if not 0 <= getattr(args, name) <= 1:
             raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1] (a share of the steps), got "
                              f"{getattr(args, name)}: 1 for SFT steps only, 0 for PPO steps only")
-    if args.optimizer in BNB_OPTIMIZERS:
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise ValueError(f"--optimizer {args.optimizer} needs the bitsandbytes package: `pip install bitsandbytes` "
-                             f"(a CUDA GPU), or choose one of {', '.join(TORCH_OPTIMIZERS)}") from None
-    elif args.optimizer not in TORCH_OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {args.optimizer!r}; valid optimizers: "
-                         f"{', '.join([*TORCH_OPTIMIZERS, *BNB_OPTIMIZERS])}")
-    if args.lr_scheduler not in HF_SCHEDULERS + TORCH_SCHEDULERS:
-        raise ValueError(f"unknown lr scheduler {args.lr_scheduler!r}; valid schedulers: "
-                         f"{', '.join(HF_SCHEDULERS + TORCH_SCHEDULERS)}")
+    # unknown names and a missing bitsandbytes fail now, on a stand-in parameter
+    make_scheduler(args.lr_scheduler, make_optimizer(args.optimizer, [{"params": [torch.zeros(1, requires_grad=True)],
+                                                                       "lr": 1.0}], args), args)
     if args.lr_scheduler == "reduce_on_plateau" and not (args.eval_split and args.eval_every):
         raise ValueError(f"--lr-scheduler reduce_on_plateau steps on eval/accuracy, but evaluation is disabled "
                          f"(--eval-split {args.eval_split}, --eval-every {args.eval_every}): give an --eval-split and "
@@ -979,9 +848,8 @@ def validate(args: Args) -> tuple[int, int]:
     sft_micro = fit_micro_batch(args.micro_batch_size, args.sft_batch_size // world,
                                 f"each process's demonstrations (--sft-batch-size / {world} processes)" if world > 1
                                 else "--sft-batch-size")
-    if args.learning_rate <= 0 or (args.value_head_lr is not None and args.value_head_lr <= 0):
-        raise ValueError(f"--learning-rate and --value-head-lr must be positive, got {args.learning_rate}, "
-                         f"{args.value_head_lr}")
+    if args.value_head_lr is not None and args.value_head_lr <= 0:
+        raise ValueError(f"--value-head-lr must be positive (or None: --learning-rate), got {args.value_head_lr}")
     if not (args.temperature > 0 and 0 < args.top_p <= 1):
         raise ValueError(f"need --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
     if args.beta < 0:
@@ -1007,80 +875,45 @@ def validate(args: Args) -> tuple[int, int]:
             import peft  # noqa: F401
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    check_device(args.device, args.dtype)
-    check_model_path(args.model_name_or_path)
-    check_dataset(args.dataset, [args.dataset_split, args.sft_split] + ([args.eval_split] if args.eval_split else []))
-    sft_columns = jsonl_columns(args.dataset, args.sft_split)
-    if sft_columns is not None and not {args.prompt_column, args.completion_column} <= sft_columns:
-        raise ValueError(f"SFT split '{args.sft_split}' has no column "
-                         f"{sorted({args.prompt_column, args.completion_column} - sft_columns)} (its columns: "
-                         f"{sorted(sft_columns)}): SFT steps need prompts and demonstrations; choose --sft-split "
-                         f"(e.g. sft), --prompt-column or --completion-column")
-    if args.track:
-        check_wandb_login()
+    check_data(args.dataset, {split: None for split in (args.dataset_split, args.sft_split, args.eval_split) if split})
     return micro, sft_micro
 
 
-# ----------------------------------------------------------------------------- main
 def main(args: Args) -> dict:
     # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
     #    up processes, device and seeds.
-    overrides = {}
-    if args.resume:
-        if not (Path(args.resume) / "trainer_state.pt").exists():
-            raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass a runs/<run>/checkpoints/step_N "
-                             f"folder")
-        args, overrides = resume_args(args)
-    micro, sft_micro = validate(args)
+    args, overrides = resume_args(args, RESUME_MAY_CHANGE)
+    micro, sft_micro = check_args(args)
     reward = make_reward(args.reward)
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
-    ddp = "LOCAL_RANK" in os.environ
-    if ddp:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
-    if args.device == "auto":
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    run = Run(args, overrides, shown=("train/reward", "train/sft_loss", "eval/accuracy", "train/kl"))
+    device, rank, world, G = run.device, run.rank, run.world, args.num_generations
 
-    # 1. Data: the RL prompts, tokenised once, and the reward's columns, checked up front (the demonstration as
-    #    `target` when the RL split has none); the demonstrations (prompt + completion, the prompt masked).
+    # 1. Data: the demonstrations (prompt + completion, the prompt masked); the RL prompts, tokenised once, and the
+    #    reward's columns, checked up front (the demonstration as `target` when the RL split has none).
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    sft = load_split(args.dataset, args.sft_split)
-    check_columns(sft, [args.prompt_column, args.completion_column], f"SFT split '{args.sft_split}'")
-    train = load_split(args.dataset, args.dataset_split)
+    sft = load_split(args.dataset, args.sft_split, [args.prompt_column, args.completion_column],
+                     "--sft-split, --prompt-column or --completion-column")
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
+    train = load_split(args.dataset, args.dataset_split, [args.prompt_column, *(c for name, c in columns.items()
+                                                                                if name != "target")],
+                       f"--prompt-column/--answer-column, or a --reward that does not need them; reward {args.reward!r}")
     demo_target = "target" in columns and "target" not in train.column_names
-    check_columns(train, [args.prompt_column, *(c for c in columns.values() if not (demo_target and c == "target"))],
-                  f"split '{args.dataset_split}' (reward {args.reward!r})")
-
-    def prompt_texts(values) -> list[str]:
-        if not args.use_chat_template:
-            if not isinstance(values[0], str):
-                raise ValueError(f"prompts in column '{args.prompt_column}' are chat messages: pass --use-chat-template")
-            return list(values)
-        if tokenizer.chat_template is None:
-            raise ValueError(f"--use-chat-template: the tokenizer of {args.model_name_or_path} has no chat template")
-        return [tokenizer.apply_chat_template([{"role": "user", "content": v}] if isinstance(v, str) else v,
-                                              tokenize=False, add_generation_prompt=True) for v in values]
-
     raw_prompts = list(train[args.prompt_column])
-    texts = prompt_texts(raw_prompts)
+    texts = prompt_texts(tokenizer, raw_prompts, args.use_chat_template, args.prompt_column)
     prompt_ids = [ids[-args.max_prompt_length:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     empty = [i for i, p in enumerate(prompt_ids) if not p]
     if empty:
         raise ValueError(f"{len(empty)} prompts of split '{args.dataset_split}' are empty (row {empty[0]}): remove them")
-    column_values = {name: list(train[col]) for name, col in columns.items() if not (demo_target and name == "target")}
+    data = {"ids": prompt_ids, "prompts": raw_prompts, "texts": texts,
+            "columns": {name: list(train[col]) for name, col in columns.items() if not (demo_target and name == "target")}}
     if demo_target:
-        column_values["target"] = demonstration_targets(raw_prompts, list(sft[args.prompt_column]),
-                                                        list(sft[args.completion_column]), args.sft_split)
+        data["columns"]["target"] = demonstration_targets(raw_prompts, list(sft[args.prompt_column]),
+                                                          list(sft[args.completion_column]), args.sft_split)
     demos = sft.select(range(min(len(sft), args.sft_limit))) if args.sft_limit else sft
-    demo_prompts = tokenizer(prompt_texts(list(demos[args.prompt_column])), add_special_tokens=False)["input_ids"]
+    demo_prompts = tokenizer(prompt_texts(tokenizer, list(demos[args.prompt_column]), args.use_chat_template,
+                                          args.prompt_column), add_special_tokens=False)["input_ids"]
     demo_completions = tokenizer(list(demos[args.completion_column]), add_special_tokens=False)["input_ids"]
     too_long = [i for i, p in enumerate(demo_prompts) if len(p) >= args.max_length]
     if too_long:
@@ -1090,10 +923,11 @@ def main(args: Args) -> dict:
                 for p, c in zip(demo_prompts, demo_completions)]
     eval_prompts, eval_answers = [], []
     if args.eval_split:
-        ev = load_split(args.dataset, args.eval_split)
-        check_columns(ev, [args.prompt_column, args.answer_column], f"eval split '{args.eval_split}'")
+        ev = load_split(args.dataset, args.eval_split, [args.prompt_column, args.answer_column],
+                        "--prompt-column/--answer-column")
         n = min(len(ev), args.eval_limit)
-        eval_prompts, eval_answers = prompt_texts(list(ev[args.prompt_column][:n])), list(ev[args.answer_column][:n])
+        eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
+        eval_answers = list(ev[args.answer_column][:n])
 
     # 2. Models: the policy (optionally with LoRA adapters) with a value head on its backbone (zero: V = 0 at the
     #    start), and a frozen reference when beta > 0.
@@ -1119,23 +953,19 @@ def main(args: Args) -> dict:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     raw_model, raw_actor_critic = model, ActorCritic(model, value_head)
     actor_critic = raw_actor_critic
-    if ddp:  # an SFT step leaves the value head without a gradient
+    if run.ddp:  # an SFT step leaves the value head without a gradient
         actor_critic = torch.nn.parallel.DistributedDataParallel(
             actor_critic, device_ids=[device] if device.type == "cuda" else None, find_unused_parameters=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
-
-    def reference_logprobs(ids, mask, prompt_width):
-        if ref_model is not None:
-            return completion_logprobs(ref_model, ids, mask, prompt_width, args.temperature)
-        with raw_model.disable_adapter():  # LoRA: the reference is the base model without adapters
-            return completion_logprobs(raw_model, ids, mask, prompt_width, args.temperature)
+    reference = (lambda *inputs: reference_logprobs(ref_model, raw_model, *inputs, args.temperature)) if args.beta > 0 \
+        else None
 
     # 3. Optimiser by name (language model and value head, a parameter group each), schedule, KL controller, the
     #    curriculum's step kinds and the data orders (RL prompts: one order per process; demonstrations: the same
-    #    order everywhere, each process keeps its share); restore them all on --resume.
+    #    order everywhere, each process keeps its share); on --resume the weights, then all their states.
     policy_params = [p for p in raw_model.parameters() if p.requires_grad]
     value_params = list(value_head.parameters())
     optimizer = make_optimizer(args.optimizer, [{"params": policy_params, "lr": args.learning_rate},
@@ -1144,394 +974,434 @@ def main(args: Args) -> dict:
     scheduler = make_scheduler(args.lr_scheduler, optimizer, args)
     kl_ctl = KLController(args.kl_controller, args.beta, args.kl_target, args.kl_horizon)
     kinds = step_kinds(args.total_steps, args.sft_fraction_start, args.sft_fraction_end, args.curriculum, args.seed)
-    order_gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    order, cursor, start_step = torch.randperm(len(prompt_ids), generator=order_gen), 0, 0
-    sft_gen = torch.Generator().manual_seed(args.seed)
-    sft_order, sft_cursor = torch.randperm(len(examples), generator=sft_gen), 0
+    order, sft_order = DataOrder(len(prompt_ids), args.seed * 1000 + rank), DataOrder(len(examples), args.seed)
     if args.resume:
-        ckpt = Path(args.resume)
         if args.lora_r:
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(raw_model, load_file(ckpt / "adapter_model.safetensors", device=str(device)))
+            set_peft_model_state_dict(raw_model, load_file(Path(args.resume) / "adapter_model.safetensors", device=str(device)))
         else:
-            raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=weights_dtype).state_dict())
-        value_head.load_state_dict(load_file(ckpt / "value_head.safetensors", device=str(device)))
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+            raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=weights_dtype).state_dict())
+        value_head.load_state_dict(load_file(Path(args.resume) / "value_head.safetensors", device=str(device)))
+        state = run.load_state()
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         reward.load_state_dict(state["reward"])
         kl_ctl.load_state_dict(state["kl_controller"])
-        order_gen.set_state(state["order_gen"][rank].clone())  # clone: a row view would be read from offset 0
-        order, cursor, start_step = state["order"][rank].clone(), state["cursor"][rank], state["step"]
-        sft_gen.set_state(state["sft_gen"])
-        sft_order, sft_cursor = state["sft_order"], state["sft_cursor"]
+        order.load(state)
+        sft_order.load(state["sft_order"])
+
+    def measure() -> tuple[dict, list]:
+        if not eval_prompts:
+            return {}, []
+        acc, samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
+                                       eos_ids, progress=run.progress)
+        if args.lr_scheduler == "reduce_on_plateau" and 0 < run.step < args.total_steps:
+            scheduler.step(acc)  # at the evaluations during the run (rank 0's; the others take its lr, below)
+        return {"eval/accuracy": acc}, samples
+
+    def save() -> Path:
+        return run.checkpoint(raw_actor_critic, tokenizer, {
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "reward": reward.state_dict(),
+            "kl_controller": kl_ctl.state_dict(), "sft_order": sft_order.state()}, per_rank=order.state())
+
+    # 4. Train.
+    n_policy, n_value = (sum(p.numel() for p in params) for params in (policy_params, value_params))
+    run.say(f"run directory: {run.dir}  |  {len(examples)} demonstrations, {len(prompt_ids)} RL prompts, "
+            f"{len(eval_prompts)} eval prompts, {n_policy / 1e6:.2f}M + {n_value} trainable parameters (model + value "
+            f"head) on {device}, {sum(kinds)} SFT + {len(kinds) - sum(kinds)} PPO steps, micro-batch {micro}")
+    groups, final, tokens, last_log = args.prompts_per_step // world, {}, 0, run.start
+    timing = dict.fromkeys(("step", "generate", "score", "train"), 0.0)  # seconds since the last log row
+    with run:
+        for step in run.steps(measure, save):
+            t_step = time.perf_counter()
+            if run.ddp and args.lr_scheduler == "reduce_on_plateau":  # every process takes rank 0's lr
+                lrs = torch.tensor([g["lr"] for g in optimizer.param_groups], dtype=torch.float64, device=device)
+                dist.broadcast(lrs, 0)
+                for g, lr in zip(optimizer.param_groups, lrs.tolist()):
+                    g["lr"] = lr
+            lr = optimizer.param_groups[0]["lr"]  # the rate of this step's updates (logged below)
+            # 4a. The curriculum picks the step's kind: SFT on a batch of demonstrations (one optimiser update), or a
+            #     PPO step: roll out a completion (or G) for each prompt from pi_old and score it (Sec. 2 of
+            #     arXiv:1909.08593), then advantages, PPO epochs and the KL controller (steps 2-5 of the header).
+            if kinds[step - 1]:
+                t_train = time.perf_counter()
+                metrics, n_tokens = sft_step(actor_critic, optimizer, [examples[i] for i in sft_order.draw(
+                    args.sft_batch_size)], run, sft_micro, tokenizer.pad_token_id, args.max_grad_norm, autocast)
+            else:
+                batch = rollout(raw_model, tokenizer, data, [i for i in order.draw(groups) for _ in range(G)],
+                                gen_config, eos_tensor, reward, autocast, timing)
+                t_train = time.perf_counter()
+                metrics, n_tokens = ppo_step(actor_critic, optimizer, batch, reference, kl_ctl, run, args, micro,
+                                             autocast)
+            if args.lr_scheduler != "reduce_on_plateau":  # that one steps on eval/accuracy at each evaluation
+                scheduler.step()
+            timing["train"] += time.perf_counter() - t_train
+            timing["step"] += time.perf_counter() - t_step
+            tokens += n_tokens
+
+            # 4b. Log the step's kind and the curriculum's share; SFT: the loss; PPO: rewards per component, KL,
+            #     losses, clipping, the critic's fit; timings.
+            if step % args.log_every == 0 or step == args.total_steps:
+                final = {"step": step, "train/is_sft_step": int(kinds[step - 1]),
+                         "train/sft_fraction": sft_fraction(step, args.total_steps, args.sft_fraction_start,
+                                                            args.sft_fraction_end, args.curriculum),
+                         "train/lr": lr, "perf/tokens_per_s": tokens / max(timing["step"], 1e-9),
+                         **{f"perf/{k}_s": v / (step - last_log) for k, v in timing.items()}, **metrics}
+                n = 0 if kinds[step - 1] else args.num_sample_completions
+                run.log(final, None if kinds[step - 1] else (
+                    "train/samples", ["step", "prompt", "completion", "reward", "score"],
+                    [[step, p, c, float(r), float(s)] for p, c, r, s in zip(
+                        batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n], batch["scores"][:n])]))
+                tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
+
+    # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) in final/, its value head beside it.
+    return run.finish(final, measure, save, (lambda: ActorCritic(copy.deepcopy(raw_model).merge_and_unload(), value_head))
+                      if args.lora_r else raw_actor_critic, tokenizer)
+
+
+# ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
+# Byte-identical in grpo, ppo, dpo, hybrid, reward_model and sft (tests/test_lifecycle.py); what differs is passed in.
+
+
+def answer_matches(text: str, answer) -> bool:
+    """The text's <answer>...</answer> equals the reference (numerically where both parse)."""
+    m = re.search(r"<answer>(.*?)</answer>", text, re.S)
+    got, want = (m.group(1).strip() if m else None), str(answer).strip()
+    try:
+        return float(got) == float(want)
+    except (TypeError, ValueError):
+        return got == want
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=None, batch_size=128, progress=False):
+    """Greedy decoding on left-padded batches -> (accuracy, [(prompt, completion, answer)])."""
+    model.eval()
+    samples = []
+    for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
+        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, padding_side="left",
+                        add_special_tokens=False).to(model.device)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=eos_ids or tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
+    model.train()
+    return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
+
+
+def load_split(dataset: str, split: str, columns: list[str], flags: str):
+    """A split of a folder of `<split>.jsonl`, of a JSON-lines file, or of a hub dataset, with the columns needed."""
+    path = Path(dataset)
+    if path.is_dir():
+        ds = load_dataset("json", data_files={split: str(path / f"{split}.jsonl")}, split=split)
+    else:
+        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(dataset, split=split)
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose "
+                         f"with {flags})")
+    return ds
+
+
+def check_local_or_hub(kind: str, name: str) -> bool:
+    """True for a local path; a hub id must be on the Hugging Face Hub (one request, before any work)."""
+    if Path(name).expanduser().exists():
+        return True
+    hint = "a local path (e.g. models/tiny-arith, data/arith) or a hub id"
+    if name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1 or Path(
+            name.split("/")[0]).exists():
+        raise ValueError(f"{kind} '{name}' does not exist: pass {hint}")
+    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
+    if offline:
+        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
+                         f"pass a local path or unset {offline[0]}")
+    from huggingface_hub import repo_exists
+
+    try:
+        found = repo_exists(name, repo_type=kind)
+    except Exception as e:  # no network, a proxy: say so now rather than after retries
+        raise ValueError(f"{kind} '{name}': the Hugging Face Hub cannot be reached ({type(e).__name__}): pass {hint}")
+    if not found:
+        raise ValueError(f"{kind} '{name}' is not on the Hugging Face Hub (private? `hf auth login`): pass {hint}")
+    return False
+
+
+def check_data(dataset: str, splits: dict[str, Optional[Callable[[dict], Optional[str]]]]) -> None:
+    """Each split exists, each line is a JSON object that passes the split's row check, and there is one."""
+    if not check_local_or_hub("dataset", dataset):
+        return
+    path = Path(dataset).expanduser()
+    for split, problem in splits.items():
+        file = path / f"{split}.jsonl" if path.is_dir() else path
+        if not file.exists():
+            have = sorted(f.stem for f in path.glob("*.jsonl"))
+            raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
+        rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
+        if not rows:
+            raise ValueError(f"{file} is empty: it needs at least one JSON line")
+        for i, line in rows:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
+            wrong = f"expected a JSON object with named columns, got {type(row).__name__}" if not isinstance(
+                row, dict) else problem(row) if problem else None
+            if wrong:
+                raise ValueError(f"{file}, line {i}: {wrong}")
+
+
+def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]) -> None:
+    """The checks every script makes before any work: counts, device and dtype, model folders, W&B login."""
+    for name in positive + non_negative:
+        if getattr(args, name) <= 0 if name in positive else getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be {'positive' if name in positive else '>= 0'}, "
+                             f"got {getattr(args, name)}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        raise ValueError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU on this machine: use --device cpu (or auto)")
+    if args.dtype == "float16" and (args.device == "cpu" or not torch.cuda.is_available()):
+        raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
+                         "(or bfloat16) on CPU; float16 is for GPUs")
+    for name in model_paths:
+        path = Path(name).expanduser()
+        if check_local_or_hub("model", name) and not (path / "config.json").exists():
+            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
+                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+    if args.track and os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled"):
+        try:
+            import wandb
+
+            wandb.login(verify=False)
+        except Exception as e:
+            raise ValueError(f"--track: {e} Run `wandb login` (or set WANDB_API_KEY), or log locally with "
+                             f"WANDB_MODE=offline") from None
+
+
+def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
+    """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to `cap`."""
+    works = [d for d in range(1, min(requested or cap, per_process) + 1) if per_process % d == 0][-1]
+    if requested and works != requested:
+        raise ValueError(f"{what} = {per_process} is not divisible by --micro-batch-size {requested}: use "
+                         f"--micro-batch-size {works} (or 0, the largest divisor up to {cap})")
+    return works
+
+
+def resume_args(args, may_change: tuple[str, ...]):
+    """--resume: the run's own arguments, with the flags given here that differ from their defaults applied on top
+    (`may_change`: cadence, tracking, device) or refused. -> (args, {flag: [run's value, new value]})."""
+    if not args.resume:
+        return args, {}
+    if not (Path(args.resume) / "trainer_state.pt").exists():
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass a runs/<run>/checkpoints/step_N folder")
+    cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
+    defaults, changed = cls(), {}
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in cls.__dataclass_fields__})
+    for name in set(cls.__dataclass_fields__) - {"exp_name", "output_dir", "run_name", "resume"}:
+        given = getattr(args, name)
+        if given in (getattr(defaults, name), getattr(out, name)):
+            continue
+        if name not in may_change:
+            raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
+                             f"({args.resume}/args.json): it would change the algorithm or the data, so it cannot "
+                             f"change on resume; drop the flag, or start a new run. Flags that may change: "
+                             f"{', '.join('--' + n.replace('_', '-') for n in may_change)}")
+        setattr(out, name, given)
+        changed[name] = [saved.get(name), given]
+    out.resume = args.resume
+    return out, changed
+
+
+def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None) -> None:
+    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint."""
+    tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if state is not None:
+        torch.save(state, tmp / "trainer_state.pt")
+        (tmp / "args.json").write_text(json.dumps(state["args"], indent=2))
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class Run:
+    """One run as each process sees it: processes, device and seeds; with `with run:` the run directory (rank 0;
+    removed if the run fails before its first step ends), W&B and Ctrl-C (the first finishes the step and saves,
+    a second quits); metrics, evaluation and checkpoint cadence, the progress line, and the closing summary."""
+
+    def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
+        self.args, self.overrides, self.shown, self.ddp = args, overrides, shown, "LOCAL_RANK" in os.environ
+        if self.ddp:
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
+        cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(cuda if args.device == "auto" else args.device)
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        if not args.resume:
+            args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.output_dir) / args.run_name
+        self.start = self.step = self.steps_done = 0
+        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False
+        self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
+
+    def load_state(self) -> Optional[dict]:
+        """--resume: trainer_state.pt, with this process's share of `per_rank` and the RNG states restored."""
+        if not self.args.resume:
+            return None
+        state = torch.load(Path(self.args.resume) / "trainer_state.pt", weights_only=False)
+        state.update({k: v[self.rank].clone() for k, v in state.pop("per_rank").items()})
         random.setstate(state["python_rng"])
         np.random.set_state(state["numpy_rng"])
-        torch.set_rng_state(state["torch_rng"][rank].clone())
-        run_dir = ckpt.parents[1]
-    else:
-        args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        run_dir = Path(args.output_dir) / args.run_name
-    metrics_file = run_dir / "metrics.jsonl"
-    wandb = None
-    progress = rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, compact lines otherwise
-    last = {"eval/accuracy": None}  # the latest values the progress line shows
+        torch.set_rng_state(state["torch_rng"])
+        self.start = self.step = state["step"]
+        return state
 
-    def log(metrics: dict) -> None:
-        if rank != 0:
-            return
-        with metrics_file.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        last.update(metrics)
-        if wandb:
-            wandb.log(metrics, step=metrics["step"])
-
-    def report(step: int, seconds_per_step: float) -> None:
-        """The key numbers: on the progress bar (a terminal), or one compact line."""
-        if rank != 0:
-            return
-        shown = {"reward": last.get("train/reward"), "sft_loss": last.get("train/sft_loss"), "acc": last["eval/accuracy"],
-                 "kl": last.get("train/kl")}
-        text = " | ".join(f"{k} {v:.3g}" for k, v in shown.items() if v is not None)
-        if progress:
-            bar.set_postfix_str(f"{text} | {seconds_per_step:.2f} s/step")
-        else:
-            print(f"step {step}/{args.total_steps} | {text} | {seconds_per_step:.2f} s/step | "
-                  f"ETA {eta((args.total_steps - step) * seconds_per_step)}", flush=True)
-
-    def evaluate(step: int) -> float:
-        acc = None
-        if rank == 0 and eval_prompts:
-            acc, samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
-                                           device, eos_ids, progress=progress)
-            log({"step": step, "eval/accuracy": acc})
-            if not progress:
-                print(f"eval at step {step}: accuracy {acc:.4f} on {len(eval_prompts)} prompts", flush=True)
-            if wandb:
-                wandb.log({"eval/samples": wandb.Table(columns=["prompt", "completion", "answer"],
-                                                       data=[list(s) for s in samples[:16]])}, step=step)
-        if ddp:  # every process steps reduce_on_plateau with the same number
-            flag = torch.tensor([acc or 0.0], device=device)
-            dist.broadcast(flag, 0)
-            acc = flag.item()
-        return acc
-
-    def gather(x: torch.Tensor) -> torch.Tensor:
-        """[n, ...] on each process -> [world * n, ...] in rank order (identity without DDP)."""
-        if not ddp:
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on each process -> [world * n, ...] in rank order."""
+        if not self.ddp:
             return x
-        parts = [torch.empty_like(x) for _ in range(world)]
+        parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts)
 
-    def checkpoint(step: int) -> Path:
-        path = run_dir / "checkpoints" / f"step_{step}"
-        per_rank = [order_gen.get_state(), order, torch.tensor(cursor), torch.get_rng_state()]
-        if ddp:  # each process has its own data order and sampling RNG
-            per_rank = [gather(x[None].to(device)).cpu() for x in per_rank]
-        else:
-            per_rank = [x[None] for x in per_rank]
-        if rank == 0:
-            save_checkpoint(path, raw_model, tokenizer, {
-                "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "order_gen": per_rank[0], "order": per_rank[1], "cursor": per_rank[2].tolist(),
-                "sft_gen": sft_gen.get_state(), "sft_order": sft_order, "sft_cursor": sft_cursor,
-                "python_rng": random.getstate(), "numpy_rng": np.random.get_state(), "torch_rng": per_rank[3],
-                "reward": reward.state_dict(), "kl_controller": kl_ctl.state_dict(),
-                "args": asdict(args)}, value_head=value_head)
-        if ddp:
-            dist.barrier()
+    def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
+        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, step, args, RNGs, every process's
+        `per_rank` tensors)."""
+        path = self.dir / "checkpoints" / f"step_{self.step}"
+        per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
+                    for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
+        if self.rank == 0:
+            save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
+                self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()})
+        self.barrier()
         return path
 
-    def draw_prompts(n: int) -> list[int]:
-        nonlocal order, cursor
-        picked = []
-        while len(picked) < n:
-            if cursor == len(order):
-                order, cursor = torch.randperm(len(prompt_ids), generator=order_gen), 0
-            take = order[cursor : cursor + n - len(picked)].tolist()
-            picked += take
-            cursor += len(take)
-        return picked
+    def barrier(self) -> None:
+        if self.ddp:
+            dist.barrier()
 
-    def draw_demonstrations(n: int) -> list[int]:
-        nonlocal sft_order, sft_cursor
-        picked = []
-        while len(picked) < n:
-            if sft_cursor == len(sft_order):
-                sft_order, sft_cursor = torch.randperm(len(examples), generator=sft_gen), 0
-            take = sft_order[sft_cursor : sft_cursor + n - len(picked)].tolist()
-            picked += take
-            sft_cursor += len(take)
-        return picked
+    def log(self, metrics: dict, table: Optional[tuple[str, list, list]] = None) -> None:
+        """A row of metrics.jsonl and W&B (with `table`: key, columns, rows of samples), from rank 0."""
+        if self.rank == 0:
+            with (self.dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            self.first, self.last = {**metrics, **self.first}, {**self.last, **metrics}
+            if self.wandb:
+                extra = {table[0]: self.wandb.Table(columns=table[1], data=table[2])} if table and table[2] else {}
+                self.wandb.log({**metrics, **extra}, step=metrics["step"])
 
-    def sft_step() -> dict:
-        """An SFT step: completion-only NLL of a batch of demonstrations, divided by the tokens of the whole global
-        batch (sft.py's loss), one optimiser update."""
-        batch = [examples[i] for i in draw_demonstrations(args.sft_batch_size)]
-        n_tokens = sum(sum(1 for t in labels[1:] if t != -100) for _, labels in batch)
-        share = args.sft_batch_size // world
-        mine = batch[rank * share : (rank + 1) * share]
-        nll_sum = 0.0
-        for k in range(0, share, sft_micro):
-            ids, mask, labels = (t.to(device) for t in collate(mine[k : k + sft_micro], tokenizer.pad_token_id))
-            sync = k + sft_micro >= share or not ddp
-            with (actor_critic.no_sync() if not sync else torch.enable_grad()), autocast:
-                nll, _ = actor_critic(ids, mask, labels=labels)
-                (nll * world / n_tokens).backward()  # DDP averages gradients over processes
-            nll_sum += nll.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        local = torch.tensor([nll_sum, sum(len(ids) for ids, _ in mine)], device=device)
-        if ddp:
-            dist.all_reduce(local)
-        return {"train/loss": local[0].item() / n_tokens, "train/sft_loss": local[0].item() / n_tokens,
-                "train/grad_norm": float(grad_norm), "tokens": int(local[1].item())}
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            tqdm.write(text) if self.progress else print(text, flush=True)
 
-    @torch.no_grad()
-    def sample_groups(n: int) -> dict:
-        """Steps 1-2 for n fresh prompts: G completions each (one batched generate with the KV cache), scored."""
-        rows = [i for i in draw_prompts(n) for _ in range(args.num_generations)]
-        ids, mask = left_pad([prompt_ids[i] for i in rows], tokenizer.pad_token_id)
-        ids, mask = ids.to(device), mask.to(device)
-        t0 = time.perf_counter()
-        with autocast:
-            out = raw_model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
-        t1 = time.perf_counter()
-        completion_ids = out[:, ids.shape[1]:]
-        c_mask, truncated = completion_mask(completion_ids, eos_tensor)
-        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        trace = reward.trace(completions, prompts=[raw_prompts[i] for i in rows],
-                             completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)],
-                             **{name: [v[i] for i in rows] for name, v in column_values.items()})
-        timing["generate"] += t1 - t0
-        timing["score"] += time.perf_counter() - t1
-        return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
-                "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
-                "prompts": [texts[i] for i in rows], "completions": completions}
+    def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
+        """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed."""
+        metrics = {}
+        if self.rank == 0:
+            metrics, samples = measure()
+            if metrics:
+                self.log({"step": self.step, **metrics}, ("eval/samples", ["prompt", "completion", "answer"],
+                                                          [list(s) for s in samples[:16]]))
+                self.say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self.barrier()
+        return metrics
 
-    # 4. Train: the run directory (a fresh one is removed if the run fails before its first step ends); Ctrl-C
-    #    finishes the current step, saves a checkpoint and exits; a second Ctrl-C quits without saving.
-    if rank == 0:
-        if args.resume:
-            clean_run_dir(run_dir, start_step)
-            args_json = json.loads((run_dir / "args.json").read_text())
-            args_json.setdefault("resumed", []).append({"step": start_step, "checkpoint": str(args.resume),
-                                                        "overrides": overrides})
-            (run_dir / "args.json").write_text(json.dumps(args_json, indent=2))
-            for name, (old, new) in overrides.items():
+    def __enter__(self):
+        args = self.args
+        if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this checkpoint
+            for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
+                shutil.rmtree(tmp, ignore_errors=True)
+            rows = (self.dir / "metrics.jsonl").read_text().splitlines()
+            (self.dir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= self.start))
+            saved = json.loads((self.dir / "args.json").read_text())
+            saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
+                                                    "overrides": self.overrides})
+            (self.dir / "args.json").write_text(json.dumps(saved, indent=2))
+            for name, (old, new) in self.overrides.items():
                 print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
-        else:
-            run_dir.mkdir(parents=True)
-            (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        n_policy, n_value = (sum(p.numel() for p in params) for params in (policy_params, value_params))
-        print(f"run directory: {run_dir}  |  {len(examples)} demonstrations, {len(prompt_ids)} RL prompts, "
-              f"{len(eval_prompts)} eval prompts, {n_policy / 1e6:.2f}M + {n_value} trainable parameters (model + value "
-              f"head) on {device}, {sum(kinds)} SFT + {len(kinds) - sum(kinds)} PPO steps, micro-batch {micro}",
-              flush=True)
-    groups = args.prompts_per_step // world
-    G = args.num_generations
-    mini = groups * G // args.num_mini_batches
-    step, final = start_step, {}
-    tokens_since_log, last_log_step = 0, start_step
-    # seconds per phase since the last log line; "step" excludes evaluation and checkpointing
-    timing = {"step": 0.0, "generate": 0.0, "score": 0.0, "train": 0.0}
-    stop, steps_timed, seconds_timed = Interrupt(rank), 0, 0.0
-    bar = tqdm(total=args.total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not progress)
-    try:
-        if args.track and rank == 0:
+        elif self.rank == 0:
+            self.dir.mkdir(parents=True)
+            (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
+        if args.track and self.rank == 0:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                       config=vars(args), dir=str(run_dir), resume="allow")
-        with stop:
-            if start_step == 0:
-                evaluate(0)
-            for step in range(start_step + 1, args.total_steps + 1):
-                stop.step = step
-                t_step = time.perf_counter()
-                lr = optimizer.param_groups[0]["lr"]  # the rate of this step's updates (logged below)
-                # 4a. The curriculum picks the step's kind: SFT on a batch of demonstrations, or a PPO step (4b-4f).
-                if kinds[step - 1]:
-                    t_train = time.perf_counter()
-                    sft_out = sft_step()
-                    tokens = sft_out.pop("tokens")
-                else:
-                    # 4b. Roll out: a completion (or G) for each prompt from pi_old, scored (Sec. 2 of arXiv:1909.08593).
-                    batch = sample_groups(groups)
-                    t_train = time.perf_counter()
-                    mask = batch["completion_mask"]
-                    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-                    attention = torch.cat([batch["prompt_mask"], mask.long()], dim=1)
-                    width = batch["prompt_ids"].shape[1]
-                    scores = penalise_missing_eos(batch["rewards"]["total"].to(device), batch["truncated"],
-                                                  args.missing_eos_penalty)
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args),
+                       dir=str(self.dir), resume="allow")
+        self.previous = signal.signal(signal.SIGINT, self.interrupt)
+        return self
 
-                    def micro_batches(rows: torch.Tensor) -> list:
-                        """Rows of the batch -> [(rows, first prompt column, completion width)], `micro` rows each."""
-                        return [(rows[sub], first, end) for sub, first, end in
-                                length_sorted_micro_batches(batch["prompt_mask"][rows], mask[rows], micro)]
+    def interrupt(self, signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
+        self.stop = True
+        if self.rank == 0:
+            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
+                  f"saving)", file=sys.stderr, flush=True)
 
-                    # 4c. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients
-                    #     (recomputed rather than taken from `generate`, as N+ does).
-                    old_logp, ref_logp, old_values = (torch.zeros_like(mask) for _ in range(3))
-                    with torch.no_grad(), autocast:
-                        for r, first, end in micro_batches(torch.arange(len(mask), device=device)):
-                            inputs = (ids[r, first : width + end], attention[r, first : width + end], width - first)
-                            old_logp[r, :end], _, old_values[r, :end] = raw_actor_critic(*inputs, args.temperature)
-                            if args.beta > 0:
-                                ref_logp[r, :end] = reference_logprobs(*inputs)
+    def __exit__(self, kind, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+        self.bar.close()
+        if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
+            shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
-                    # 4d. Per-token rewards (-beta KL_t, the score at the last token), GAE (Eq. 16 of arXiv:1506.02438),
-                    #     whitened advantages.
-                    kl = per_token_kl(old_logp, ref_logp, args.kl_estimator) * mask if args.beta > 0 else torch.zeros_like(mask)
-                    kl_coef = kl_ctl.value
-                    rewards = per_token_rewards(scores, kl, mask, kl_coef)
-                    if args.whiten_rewards:
-                        rewards = masked_whiten(rewards, mask, shift_mean=False)
-                    advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
-                    if args.whiten_advantages:
-                        advantages = masked_whiten(advantages, mask)
+    def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
+        """Steps start+1 .. --total-steps, with evaluation at 0 and every --eval-every, a checkpoint every
+        --save-every, and after a Ctrl-C a checkpoint and the end of the loop."""
+        if self.start == 0:
+            self.evaluate(measure)
+        for step in range(self.start + 1, self.args.total_steps + 1):
+            self.step, t0 = step, time.perf_counter()
+            yield step
+            self.steps_done, self.seconds = self.steps_done + 1, self.seconds + time.perf_counter() - t0
+            self.report()
+            if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
+                self.evaluate(measure)
+            if self.args.save_every and self.step % self.args.save_every == 0:
+                save()
+            if self.ddp:  # every process stops at the same step, even if the signal reached them apart
+                flag = torch.tensor([float(self.stop)], device=self.device)
+                dist.all_reduce(flag)
+                self.stop = bool(flag.item())
+            if self.stop:
+                path = save()
+                self.say(f"interrupted: saved {path}; continue with --resume {path}")
+                return
 
-                    # 4e. PPO epochs over shuffled mini-batches, one optimiser update of model and value head each: the clipped policy
-                    #     loss (Eq. 7 of arXiv:1707.06347), the clipped value loss and the entropy bonus (Eq. 9), token
-                    #     means over the mini-batch; --target-kl stops the remaining epochs.
-                    sums = dict.fromkeys(("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl",
-                                          "entropy", "tokens"), 0.0)
-                    for epoch in range(args.num_ppo_epochs):
-                        epoch_kl = torch.zeros(2, device=device)  # approximate-KL token sum, tokens
-                        for rows in torch.randperm(len(mask)).to(device).split(mini):
-                            chunks, n_tokens = micro_batches(rows), mask[rows].sum()
-                            for k, (r, first, end) in enumerate(chunks):
-                                sync = k == len(chunks) - 1 or not ddp
-                                m = mask[r, :end]
-                                with (actor_critic.no_sync() if not sync else torch.enable_grad()), autocast:
-                                    logp, entropy, values = actor_critic(ids[r, first : width + end],
-                                                                         attention[r, first : width + end], width - first,
-                                                                         args.temperature)
-                                    per_token, _, clipped = clipped_policy_loss(logp, old_logp[r, :end], advantages[r, :end],
-                                                                                clip_low=args.clip_low, clip_high=args.clip_high)
-                                    vf_loss, vf_clipped = value_loss(values, old_values[r, :end], returns[r, :end], m,
-                                                                     args.cliprange_value)
-                                    pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
-                                    share = m.sum() / n_tokens  # this micro-batch's part of the mini-batch's token mean
-                                    ((pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent) * share).backward()
-                                log_ratio = logp.detach() - old_logp[r, :end]
-                                approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, m)  # k3 of KL(pi_old || pi)
-                                tokens = float(m.sum())
-                                for name, x in (("policy_loss", pg_loss), ("value_loss", vf_loss), ("entropy", ent),
-                                                ("clip_frac", masked_mean(clipped, m)), ("value_clip_frac", vf_clipped),
-                                                ("approx_kl", approx_kl)):
-                                    sums[name] += x.item() * tokens
-                                sums["tokens"] += tokens
-                                epoch_kl += torch.stack([approx_kl * tokens, m.sum()])
-                            grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
-                            value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
-                            optimizer.step()
-                            optimizer.zero_grad(set_to_none=True)
-                        epochs_run = epoch + 1
-                        if args.target_kl is not None:  # every process sees the same KL, so all stop together
-                            if ddp:
-                                dist.all_reduce(epoch_kl)
-                            if float(epoch_kl[0] / epoch_kl[1]) > args.target_kl:
-                                break
-                    # 4f. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
-                    batch_kl = float(gather(kl.sum(dim=1)).mean())
-                    kl_ctl.update(batch_kl, args.prompts_per_step * G)
-                    tokens = int(attention.sum()) * world
-                if args.lr_scheduler != "reduce_on_plateau":  # that one steps on eval/accuracy at each evaluation
-                    scheduler.step()
-                timing["train"] += time.perf_counter() - t_train
-                timing["step"] += time.perf_counter() - t_step
-                steps_timed, seconds_timed = steps_timed + 1, seconds_timed + time.perf_counter() - t_step
-                tokens_since_log += tokens
+    def report(self) -> None:
+        """The key numbers on the progress bar (a terminal), or every --log-every steps as a line."""
+        per_step = self.seconds / self.steps_done
+        text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
+        self.bar.update(1)
+        if self.progress:
+            self.bar.set_postfix_str(f"{text} | {per_step:.2f} s/step")
+        elif self.rank == 0 and self.step % self.args.log_every == 0:
+            print(f"step {self.step}/{self.args.total_steps} | {text} | {per_step:.2f} s/step | ETA "
+                  f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
-                # 4g. Log the step's kind and the curriculum's share; SFT: the loss; PPO: rewards per component, KL,
-                #     losses, clipping, the critic's fit; timings.
-                if step % args.log_every == 0 or step == args.total_steps:
-                    n_steps = step - last_log_step
-                    final = {"step": step, "train/is_sft_step": int(kinds[step - 1]),
-                             "train/sft_fraction": sft_fraction(step, args.total_steps, args.sft_fraction_start,
-                                                                args.sft_fraction_end, args.curriculum),
-                             "train/lr": lr, "perf/tokens_per_s": tokens_since_log / max(timing["step"], 1e-9),
-                             **{f"perf/{k}_s": v / n_steps for k, v in timing.items()}}
-                    if kinds[step - 1]:
-                        final.update(sft_out)
-                    else:
-                        lengths = mask.sum(dim=1)
-                        keys = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy")
-                        local = torch.tensor([*(sums[k] for k in keys), sums["tokens"], float(lengths.sum()),
-                                              float(batch["truncated"].sum()), len(lengths),
-                                              explained_variance(old_values, returns, mask)], device=device)
-                        if ddp:
-                            dist.all_reduce(local)
-                        *token_sums, n_tok, len_sum, n_trunc, n_seq, ev_sum = local.tolist()
-                        means = {f"train/{k}": v / max(n_tok, 1) for k, v in zip(keys, token_sums)}
-                        final.update({
-                            "train/loss": means["train/policy_loss"] + args.vf_coef * means["train/value_loss"]
-                            - args.entropy_coef * means["train/entropy"],
-                            "train/reward": float(gather(batch["rewards"]["total"].to(device)).mean()),
-                            **{f"rewards/{k}": float(gather(v.to(device)).mean()) for k, v in batch["rewards"].items()
-                               if k != "total"},
-                            "train/score": float(gather(scores).mean()), "train/kl": batch_kl,
-                            "train/kl_coef": kl_coef, "train/non_score_reward": -kl_coef * batch_kl, **means,
-                            "train/explained_variance": ev_sum / world,
-                            "train/value_mean": float(masked_mean(old_values, mask)),
-                            "train/grad_norm": float(grad_norm), "train/value_grad_norm": float(value_grad_norm),
-                            "train/ppo_epochs": epochs_run,
-                            "train/completion_length": len_sum / n_seq, "train/truncated_frac": n_trunc / n_seq})
-                    log(final)
-                    if wandb and args.num_sample_completions and not kinds[step - 1]:
-                        n = args.num_sample_completions
-                        table = zip(batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n],
-                                    scores[:n])
-                        wandb.log({"train/samples": wandb.Table(
-                            columns=["step", "prompt", "completion", "reward", "score"],
-                            data=[[step, p, c, float(rw), float(s)] for p, c, rw, s in table])}, step=step)
-                    tokens_since_log, last_log_step = 0, step
-                    timing = dict.fromkeys(timing, 0.0)
-                bar.update(1)
-                if progress or step % args.log_every == 0:
-                    report(step, seconds_timed / steps_timed)
-                if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
-                    accuracy = evaluate(step)
-                    if args.lr_scheduler == "reduce_on_plateau":
-                        scheduler.step(accuracy)
-                if args.save_every and step % args.save_every == 0:
-                    checkpoint(step)
-                if ddp:  # every process stops at the same step, even if the signal reached them apart
-                    flag = torch.tensor([float(stop.requested)], device=device)
-                    dist.all_reduce(flag)
-                    stop.requested = bool(flag.item())
-                if stop.requested:
-                    path = checkpoint(step)
-                    if rank == 0:
-                        print(f"interrupted: saved {path}; continue with --resume {path}", flush=True)
-                    break
-    except BaseException:
-        if rank == 0 and not args.resume and steps_timed == 0:  # a failed start leaves no run directory
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    finally:
-        bar.close()
-
-    # 5. Final evaluation, the trained model (LoRA merged into it) with its value head beside it, the curves.
-    if not stop.requested:
-        final["eval/accuracy"] = evaluate(step)
-        checkpoint(step)
-        if rank == 0:
-            merged = copy.deepcopy(raw_model).merge_and_unload() if args.lora_r else raw_model
-            save_checkpoint(run_dir / "final", merged, tokenizer, value_head=value_head)
-    if rank == 0:
-        plot_curves(metrics_file, run_dir / "curves.png")
-    if wandb:
-        wandb.finish()
-    if ddp:
-        dist.destroy_process_group()
-    final.update({"run_dir": str(run_dir), "interrupted": stop.requested})
-    return final
+    def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
+        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it), and the
+        summary: each eval metric at the start and the end, where final/ is, and `notes` for the next step."""
+        if not self.stop:
+            final.update(self.evaluate(measure))
+            save()
+            if self.rank == 0:
+                save_pretrained(self.dir / "final", model if isinstance(model, torch.nn.Module) else model(), tokenizer)
+                print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
+                    f" | {k} {self.first[k]:.4g} -> {v:.4g}" for k, v in self.last.items() if k.startswith("eval/")))
+                print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)
+        if self.wandb:
+            self.wandb.finish()
+        if self.ddp:
+            dist.destroy_process_group()
+        return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 if __name__ == "__main__":
