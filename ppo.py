@@ -640,7 +640,8 @@ def check_args(args: Args) -> int:
                         "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
                         "learning_rate", "value_learning_rate"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "top_k", "num_sample_completions",
-                  "micro_batch_size"), (args.model_name_or_path,))
+                  "micro_batch_size", "beta", "clip_high", "cliprange_value", "vf_coef", "entropy_coef"),
+                 (args.model_name_or_path,))
     if args.value_model_name_or_path:
         try:
             check_common(args, (), (), (args.value_model_name_or_path,))
@@ -661,22 +662,14 @@ def check_args(args: Args) -> int:
                             f"each mini-batch ({what} / --num-mini-batches)")
     if not (args.temperature > 0 and 0 < args.top_p <= 1):
         raise ValueError(f"need --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
-    if args.beta < 0:
-        raise ValueError(f"--beta must be >= 0 (the KL coefficient of the per-token reward), got {args.beta}: "
-                         f"use e.g. --beta 0.05, or 0 for no KL penalty")
     if args.kl_controller != "fixed" and not args.kl_target > 0:
         raise ValueError(f"--kl-controller {args.kl_controller} steers beta towards a KL target and needs a positive "
                          f"--kl-target (the mean summed KL of a completion, e.g. --kl-target 1.0), got {args.kl_target}")
     if args.kl_controller != "fixed" and args.beta == 0:
         raise ValueError(f"--kl-controller {args.kl_controller} multiplies beta, which stays 0: start it positive, "
                          f"e.g. --beta 0.05")
-    if not (0 <= args.clip_low <= 1) or args.clip_high < 0 or args.cliprange_value < 0:
-        raise ValueError(f"need 0 <= --clip-low <= 1, --clip-high >= 0 and --cliprange-value >= 0, got "
-                         f"{args.clip_low}, {args.clip_high}, {args.cliprange_value}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        raise ValueError(f"need 0 <= --gamma <= 1 and 0 <= --lam <= 1, got {args.gamma}, {args.lam}")
-    if args.vf_coef < 0 or args.entropy_coef < 0:
-        raise ValueError(f"need --vf-coef >= 0 and --entropy-coef >= 0, got {args.vf_coef}, {args.entropy_coef}")
+    if not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        raise ValueError(f"need 0 <= --clip-low, --gamma, --lam <= 1, got {args.clip_low}, {args.gamma}, {args.lam}")
     if args.target_kl is not None and args.target_kl <= 0:
         raise ValueError(f"--target-kl must be positive (or None: no early stop), got {args.target_kl}")
     if args.lora_r:
