@@ -601,8 +601,8 @@ class DataOrder:
 
 @torch.no_grad()
 def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, reward, autocast, timing: dict) -> dict:
-    """Steps 1-2 of Algorithm 1 (arXiv:2402.03300) for the prompts `rows`: sample (one batched generate with the KV
-    cache) and score. data: {"ids", "prompts", "texts", "columns"} of the split -> the rollout batch."""
+    """Step 1 for the prompts `rows` (Sec. 2 of arXiv:1909.08593): sample (one batched generate with the KV cache)
+    and score. data: {"ids", "prompts", "texts", "columns"} of the split -> the rollout batch."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
@@ -620,79 +620,90 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, 
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
 
-def micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list:
-    """Rows of the batch -> [(rows, first prompt column, completion width)], `size` rows each, length-sorted."""
-    return [(rows[sub], first, end) for sub, first, end in
-            length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows], size)]
-
-
-def reference_logprobs(ref_model, model, ids, attention, prompt_width: int, temperature: float) -> torch.Tensor:
-    """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the base model without adapters."""
+def reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
+    """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the policy with its adapters off.
+    inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
     if ref_model is not None:
-        return completion_logprobs(ref_model, ids, attention, prompt_width, temperature)
+        return completion_logprobs(ref_model, *inputs, temperature)
     with model.disable_adapter():
-        return completion_logprobs(model, ids, attention, prompt_width, temperature)
+        return completion_logprobs(model, *inputs, temperature)
+
+
+def micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, tuple, int]]:
+    """`rows` of the batch in length-sorted micro-batches of `size`, each trimmed to its own widest prompt and
+    completion -> [(rows, (input_ids, attention_mask, prompt_width) for the models, completion width)]."""
+    width, out = batch["prompt_ids"].shape[1], []
+    for sub, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows], size):
+        r = rows[sub]
+        out.append((r, (batch["ids"][r, first : width + end], batch["attention"][r, first : width + end], width - first),
+                    end))
+    return out
 
 
 @torch.no_grad()
-def compute_advantages(actor_critic, batch: dict, reference: Optional[Callable], kl_coef: float, args, micro: int,
-                       autocast) -> dict:
-    """Steps 2-3 for a scored rollout batch: log-probs of pi_old and pi_ref and the values V_old at every completion
-    token (recomputed rather than taken from `generate`, as N+ does), per-token rewards (-beta KL_t, the score at the
-    last token), GAE (Eq. 16 of arXiv:1506.02438) and whitening -> the batch with the [B, T] tensors the update needs."""
+def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
+    """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token, recomputed
+    rather than taken from `generate` (as N+). actor_critic: (ids, attention, prompt width, T) -> (logp, entropy,
+    values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp", "ref_logp", "old_values"."""
     mask = batch["completion_mask"]
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], mask.long()], dim=1)
-    width = batch["prompt_ids"].shape[1]
+    batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+             "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
     old_logp, ref_logp, old_values = (torch.zeros_like(mask) for _ in range(3))
     with autocast:
-        for r, first, end in micro_batches(batch, torch.arange(len(mask), device=mask.device), micro):
-            inputs = (ids[r, first : width + end], attention[r, first : width + end], width - first)
+        for r, inputs, end in micro_batches(batch, torch.arange(len(mask), device=mask.device), micro):
             old_logp[r, :end], _, old_values[r, :end] = actor_critic(*inputs, args.temperature)
-            if reference is not None:
-                ref_logp[r, :end] = reference(*inputs)
-    kl = per_token_kl(old_logp, ref_logp, args.kl_estimator) * mask if reference is not None else torch.zeros_like(mask)
-    rewards = per_token_rewards(batch["scores"], kl, mask, kl_coef)
+            if args.beta > 0:
+                ref_logp[r, :end] = reference_logprobs(ref_model, actor_critic.policy, inputs, args.temperature)
+    return {**batch, "old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values}
+
+
+def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
+    """Steps 2-3: the scores less the missing-EOS penalty, the per-token KL(pi_old || pi_ref) and rewards
+    -kl_coef KL_t + [last token] score (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of arXiv:1506.02438) and whitening.
+    -> {"scores" [B], "kl", "advantages", "returns" [B, T]}."""
+    mask, old_logp = batch["completion_mask"], batch["old_logp"]
+    scores = penalise_missing_eos(batch["rewards"]["total"].to(mask.device), batch["truncated"], args.missing_eos_penalty)
+    kl = per_token_kl(old_logp, batch["ref_logp"], args.kl_estimator) * mask if args.beta > 0 else torch.zeros_like(mask)
+    rewards = per_token_rewards(scores, kl, mask, kl_coef)
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
-    advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
+    advantages, returns = gae(rewards, batch["old_values"], mask, args.gamma, args.lam)
     if args.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
-    return {**batch, "ids": ids, "attention": attention, "width": width, "old_logp": old_logp, "kl": kl,
-            "old_values": old_values, "advantages": advantages, "returns": returns}
+    return {"scores": scores, "kl": kl, "advantages": advantages, "returns": returns}
 
 
-def ppo_update(actor_critic, optimizer, b: dict, args, micro: int, autocast) -> dict:
-    """Step 4: --num-ppo-epochs passes over shuffled mini-batches, one optimiser update of model and value head each:
-    the clipped policy loss (Eq. 7 of arXiv:1707.06347), the clipped value loss and the entropy bonus (Eq. 9), token
-    means over the mini-batch; --target-kl stops the remaining epochs. -> token sums, last grad norms, epochs run."""
-    ddp = isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
-    mask, ids, attention, width = b["completion_mask"], b["ids"], b["attention"], b["width"]
-    policy_params, value_params = (group["params"] for group in optimizer.param_groups)
-    sums = dict.fromkeys(("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy",
-                          "tokens"), 0.0)
+PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy")
+
+
+def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, policy_params: list, value_params: list,
+               autocast) -> dict:
+    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one optimiser update of both
+    models each (each clipped to --max-grad-norm on its own): the clipped policy loss (Eq. 7 of arXiv:1707.06347),
+    the clipped value loss and the entropy bonus (Eq. 9), token means over the mini-batch, accumulated over
+    micro-batches; --target-kl stops the remaining epochs. -> token sums of PPO_STATS, "tokens", the grad norms
+    of the last update, "ppo_epochs"."""
+    mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
+    sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
     for epoch in range(args.num_ppo_epochs):
         epoch_kl = torch.zeros(2, device=mask.device)  # approximate-KL token sum, tokens
         for rows in torch.randperm(len(mask)).to(mask.device).split(len(mask) // args.num_mini_batches):
-            chunks, n_tokens = micro_batches(b, rows, micro), mask[rows].sum()
-            for k, (r, first, end) in enumerate(chunks):
-                m = mask[r, :end]
+            chunks, n_tokens = micro_batches(batch, rows, micro), mask[rows].sum()
+            for k, (r, inputs, end) in enumerate(chunks):
+                m, old_logp = mask[r, :end], batch["old_logp"][r, :end]
                 with (actor_critic.no_sync() if ddp and k < len(chunks) - 1 else torch.enable_grad()), autocast:
-                    logp, entropy, values = actor_critic(ids[r, first : width + end], attention[r, first : width + end],
-                                                         width - first, args.temperature)
-                    per_token, _, clipped = clipped_policy_loss(logp, b["old_logp"][r, :end], b["advantages"][r, :end],
+                    logp, entropy, values = actor_critic(*inputs, args.temperature)
+                    per_token, _, clipped = clipped_policy_loss(logp, old_logp, batch["advantages"][r, :end],
                                                                 clip_low=args.clip_low, clip_high=args.clip_high)
-                    vf_loss, vf_clipped = value_loss(values, b["old_values"][r, :end], b["returns"][r, :end], m,
+                    vf_loss, vf_clipped = value_loss(values, batch["old_values"][r, :end], batch["returns"][r, :end], m,
                                                      args.cliprange_value)
                     pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
                     share = m.sum() / n_tokens  # this micro-batch's part of the mini-batch's token mean
                     ((pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent) * share).backward()
-                log_ratio = logp.detach() - b["old_logp"][r, :end]
+                log_ratio = logp.detach() - old_logp
                 approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, m)  # k3 of KL(pi_old || pi)
                 tokens = float(m.sum())
-                for name, x in (("policy_loss", pg_loss), ("value_loss", vf_loss), ("entropy", ent),
-                                ("clip_frac", masked_mean(clipped, m)), ("value_clip_frac", vf_clipped),
-                                ("approx_kl", approx_kl)):
+                for name, x in zip(PPO_STATS, (pg_loss, vf_loss, masked_mean(clipped, m), vf_clipped, approx_kl, ent)):
                     sums[name] += x.item() * tokens
                 sums["tokens"] += tokens
                 epoch_kl += torch.stack([approx_kl * tokens, m.sum()])
@@ -705,42 +716,46 @@ def ppo_update(actor_critic, optimizer, b: dict, args, micro: int, autocast) -> 
                 dist.all_reduce(epoch_kl)
             if float(epoch_kl[0] / epoch_kl[1]) > args.target_kl:
                 break
-    return {**sums, "grad_norm": float(grad_norm), "value_grad_norm": float(value_grad_norm), "epochs": epoch + 1}
+    return {**sums, "grad_norm": float(grad_norm), "value_grad_norm": float(value_grad_norm), "ppo_epochs": epoch + 1}
 
 
-def ppo_step(actor_critic, optimizer, batch: dict, reference: Optional[Callable], kl_ctl: KLController, run, args,
-             micro: int, autocast) -> tuple[dict, int]:
-    """Steps 2-5 on a rollout batch: scores, advantages, the PPO epochs, the KL controller -> (metrics, tokens)."""
-    device = batch["completion_mask"].device
-    batch["scores"] = penalise_missing_eos(batch["rewards"]["total"].to(device), batch["truncated"],
-                                           args.missing_eos_penalty)
-    kl_coef = kl_ctl.value
-    b = compute_advantages(actor_critic.module if run.ddp else actor_critic, batch, reference, kl_coef, args, micro,
-                           autocast)
-    sums = ppo_update(actor_critic, optimizer, b, args, micro, autocast)
-    # 5. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
-    batch_kl = float(run.gather(b["kl"].sum(dim=1)).mean())
-    kl_ctl.update(batch_kl, args.prompts_per_step * args.num_generations)
-    mask = b["completion_mask"]
+def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, args) -> dict:
+    """The step's metrics over all processes: rewards per component, KL, losses, clipping, the critic's fit."""
+    mask = batch["completion_mask"]
     lengths = mask.sum(dim=1)
-    keys = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy")
-    local = torch.tensor([*(sums[k] for k in keys), sums["tokens"], float(lengths.sum()), float(batch["truncated"].sum()),
-                          len(lengths), explained_variance(b["old_values"], b["returns"], mask)], device=device)
+    local = torch.tensor([*(stats[k] for k in PPO_STATS), stats["tokens"], float(lengths.sum()),
+                          float(batch["truncated"].sum()), len(lengths),
+                          explained_variance(batch["old_values"], batch["returns"], mask)], device=mask.device)
     if run.ddp:
         dist.all_reduce(local)
     *token_sums, n_tok, len_sum, n_trunc, n_seq, ev_sum = local.tolist()
-    means = {f"train/{k}": v / max(n_tok, 1) for k, v in zip(keys, token_sums)}
+    means = {f"train/{k}": v / max(n_tok, 1) for k, v in zip(PPO_STATS, token_sums)}
     return {"train/loss": means["train/policy_loss"] + args.vf_coef * means["train/value_loss"]
             - args.entropy_coef * means["train/entropy"],
-            "train/reward": float(run.gather(batch["rewards"]["total"].to(device)).mean()),
-            **{f"rewards/{k}": float(run.gather(v.to(device)).mean()) for k, v in batch["rewards"].items()
+            "train/reward": float(run.gather(batch["rewards"]["total"].to(mask.device)).mean()),
+            **{f"rewards/{k}": float(run.gather(v.to(mask.device)).mean()) for k, v in batch["rewards"].items()
                if k != "total"},
-            "train/score": float(run.gather(batch["scores"]).mean()), "train/kl": batch_kl,
-            "train/kl_coef": kl_coef, "train/non_score_reward": -kl_coef * batch_kl, **means,
-            "train/explained_variance": ev_sum / run.world, "train/value_mean": float(masked_mean(b["old_values"], mask)),
-            "train/grad_norm": sums["grad_norm"], "train/value_grad_norm": sums["value_grad_norm"],
-            "train/ppo_epochs": sums["epochs"], "train/completion_length": len_sum / n_seq,
-            "train/truncated_frac": n_trunc / n_seq}, int(b["attention"].sum()) * run.world
+            "train/score": float(run.gather(batch["scores"]).mean()), "train/kl": batch_kl, "train/kl_coef": kl_coef,
+            "train/non_score_reward": -kl_coef * batch_kl, **means, "train/explained_variance": ev_sum / run.world,
+            "train/value_mean": float(masked_mean(batch["old_values"], mask)), "train/grad_norm": stats["grad_norm"],
+            "train/value_grad_norm": stats["value_grad_norm"], "train/ppo_epochs": stats["ppo_epochs"],
+            "train/completion_length": len_sum / n_seq, "train/truncated_frac": n_trunc / n_seq}
+
+
+def ppo_step(actor_critic, optimizer, batch: dict, ref_model, kl_ctl: KLController, run, args, micro: int,
+             autocast) -> tuple[dict, dict]:
+    """Steps 2-5 of the header on a scored rollout batch, as ppo.py's loop: pi_old's and pi_ref's log-probs and V_old,
+    advantages, the PPO epochs, the KL controller -> (the batch with its advantages and scores, the step's metrics)."""
+    batch = old_logprobs_and_values(actor_critic.module if run.ddp else actor_critic, ref_model, batch, micro, args,
+                                    autocast)
+    kl_coef = kl_ctl.value
+    batch.update(compute_advantages(batch, kl_coef, args))
+    stats = ppo_update(actor_critic, optimizer, batch, micro, args, *(g["params"] for g in optimizer.param_groups),
+                       autocast)
+    # 5. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
+    batch_kl = float(run.gather(batch["kl"].sum(dim=1)).mean())
+    kl_ctl.update(batch_kl, args.prompts_per_step * args.num_generations)
+    return batch, ppo_metrics(run, batch, stats, kl_coef, batch_kl, args)
 
 
 # ---- optimiser and schedule, by name
@@ -960,8 +975,6 @@ def main(args: Args) -> dict:
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
-    reference = (lambda *inputs: reference_logprobs(ref_model, raw_model, *inputs, args.temperature)) if args.beta > 0 \
-        else None
 
     # 3. Optimiser by name (language model and value head, a parameter group each), schedule, KL controller, the
     #    curriculum's step kinds and the data orders (RL prompts: one order per process; demonstrations: the same
@@ -1032,8 +1045,8 @@ def main(args: Args) -> dict:
                 batch = rollout(raw_model, tokenizer, data, [i for i in order.draw(groups) for _ in range(G)],
                                 gen_config, eos_tensor, reward, autocast, timing)
                 t_train = time.perf_counter()
-                metrics, n_tokens = ppo_step(actor_critic, optimizer, batch, reference, kl_ctl, run, args, micro,
-                                             autocast)
+                batch, metrics = ppo_step(actor_critic, optimizer, batch, ref_model, kl_ctl, run, args, micro, autocast)
+                n_tokens = int(batch["attention"].sum()) * world
             if args.lr_scheduler != "reduce_on_plateau":  # that one steps on eval/accuracy at each evaluation
                 scheduler.step()
             timing["train"] += time.perf_counter() - t_train

@@ -193,14 +193,18 @@ def test_explained_variance_hand_computed():
 
 
 def test_ppo_math_is_ppo_py_s_verbatim():
-    """The PPO pieces are copied from ppo.py so the two files diff cleanly; re-copy them if ppo.py changes."""
+    """The PPO math and ppo.py's loop steps are copied from ppo.py so the two files diff cleanly; re-copy them if
+    ppo.py changes. hybrid's ppo_step composes the steps as ppo.py's loop body does."""
     import inspect
 
     import ppo
     for name in ("masked_mean", "masked_whiten", "per_token_kl", "penalise_missing_eos", "per_token_rewards", "gae",
                  "value_loss", "KLController", "explained_variance", "completion_mask", "completion_logprobs",
-                 "length_sorted_micro_batches", "left_pad"):
+                 "length_sorted_micro_batches", "left_pad", "prompt_texts", "DataOrder", "rollout",
+                 "reference_logprobs", "micro_batches", "old_logprobs_and_values", "compute_advantages", "ppo_update",
+                 "ppo_metrics"):
         assert inspect.getsource(getattr(hybrid, name)) == inspect.getsource(getattr(ppo, name)), name
+    assert hybrid.PPO_STATS == ppo.PPO_STATS
 
 
 # ----------------------------------------------------------------------------- wiring: the reference and the KL
@@ -228,15 +232,15 @@ def test_the_reference_stays_the_initial_model(tiny, tmp_path, monkeypatch, lora
     with LoRA the base model without adapters), while the policy's on the same completions have moved away."""
     calls = []
 
-    def spy(*a):
-        out = reference_logprobs(*a)
-        calls.append((a[2:], out))
+    def spy(ref_model, model, inputs, temperature):
+        out = reference_logprobs(ref_model, model, inputs, temperature)
+        calls.append((*inputs, temperature, out))
         return out
 
     reference_logprobs = hybrid.reference_logprobs
     monkeypatch.setattr(hybrid, "reference_logprobs", spy)
     out = hybrid.main(ppo_only(tiny, tmp_path, total_steps=3, beta=0.05, lora_r=lora_r))
-    (ids, attention, width, temperature), got = calls[-1]
+    ids, attention, width, temperature, got = calls[-1]
     initial = AutoModelForCausalLM.from_pretrained(tiny / "model")
     trained = AutoModelForCausalLM.from_pretrained(Path(out["run_dir"]) / "final")
     with torch.no_grad():
