@@ -9,15 +9,13 @@ ipo (arXiv:2310.12036 Eq. 17: (d - 1/(2 beta))^2), robust (arXiv:2403.00409, lab
 chosen completion's length-normalised NLL (RPO, arXiv:2404.19733).
 
 Run:
-    python dpo.py                                                  # embedded: models/tiny-arith on data/arith prefs
-    python dpo.py --rpo-alpha 0 --beta 0.1 --lr-schedule constant  # plain DPO (lowers greedy accuracy: docs/dpo.md)
-    python dpo.py --loss-type ipo --beta 1                         # IPO; --loss-type hinge / robust / simpo likewise
-    python dpo.py --loss-type simpo --beta 2 --simpo-gamma 1       # SimPO: no reference model at all
-    python dpo.py --precompute-ref-logps                           # reference log-probs in one pass, no 2nd model
-    python dpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template \
-        --dataset my/hub-prefs --dataset-split train --eval-split None --pref-eval-split test \
-        --max-completion-length 512 --micro-batch-size 4 --learning-rate 5e-7 --lora-r 16  # any HF causal LM
-    torchrun --nproc-per-node 2 dpo.py                            # data parallel (DDP), gloo on CPU, nccl on GPU
+    python dpo.py                                               # models/tiny-arith on data/arith's pairs, CPU
+    python dpo.py --rpo-alpha 0                                 # plain DPO (lowers greedy accuracy: docs/dpo.md)
+    python dpo.py --loss-type simpo --beta 2 --simpo-gamma 1    # or ipo, hinge, robust; --precompute-ref-logps
+    python dpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-prefs \
+        --dataset-split train --eval-split None --pref-eval-split test --max-completion-length 512 \
+        --micro-batch-size 4 --learning-rate 5e-7 --lora-r 16
+    torchrun --nproc-per-node 2 dpo.py                          # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/dpo.md):
 - Default `--rpo-alpha 1`: plain offline DPO lowers tiny-arith's greedy accuracy (likelihood displacement,
@@ -25,7 +23,7 @@ Deviations (why, and the measurements: docs/dpo.md):
 - Chosen and rejected go through the policy in one row per pair that holds their shared prefix once (`--pack-pairs`,
   arXiv:2410.20305), checked at start against the unpacked pass, which is used instead if a model fails.
 - Completion log-probs come from the last hidden states and the lm_head: the [B, T, V] logits never exist.
-- Completions are tokenised alone and end with EOS; long prompts keep their last tokens, long completions lose their end.
+- Completions are tokenised alone + EOS; long prompts keep their last tokens, long completions lose their end.
 - The reference is loaded again (not copied), with LoRA the policy without adapters, or with --precompute-ref-logps
   the policy's log-probs before any step; held-out pairs' reference log-probs are always precomputed.
 - Each pair's loss is averaged over the step's pairs (all micro-batches and processes); RPO's NLL is per pair.
@@ -243,12 +241,12 @@ def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, o
 class PolicyLogprobs(torch.nn.Module):
     """The policy as DistributedDataParallel sees it: DDP synchronises gradients of the module whose forward runs."""
 
-    def __init__(self, model, packed: bool):
+    def __init__(self, model, logprobs: Callable):
         super().__init__()
-        self.model, self.packed = model, packed
+        self.model, self.logprobs = model, logprobs
 
     def forward(self, *batch):
-        return (packed_logprobs if self.packed else sequence_logprobs)(self.model, *batch)
+        return self.logprobs(self.model, *batch)
 
 
 def collate_pairs(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int):
@@ -354,16 +352,18 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
                                           tokenize=False, add_generation_prompt=True) for v in values]
 
 
+PAIR_FLAGS = "--prompt-column/--chosen-column/--rejected-column"
+
+
 def pair_problem(row: dict, prompt: str, chosen: str, rejected: str) -> Optional[str]:
     """What is wrong with a row as a preference pair (a prompt and two different, non-empty completions), or None."""
     missing = [c for c in (prompt, chosen, rejected) if c not in row]
+    empty = [c for c in (chosen, rejected) if not missing and not (isinstance(row[c], str) and row[c].strip())]
     if missing:
-        return (f"no column {missing}; available columns: {sorted(row)} (choose with --prompt-column/--chosen-column/"
-                f"--rejected-column)")
-    for column in (chosen, rejected):
-        if not isinstance(row[column], str) or not row[column].strip():
-            return (f"the '{column}' completion is empty (or not a string): a pair needs two non-empty completions; "
-                    f"remove the row")
+        return f"no column {missing}; available columns: {sorted(row)} (choose with {PAIR_FLAGS})"
+    if empty:
+        return (f"the '{empty[0]}' completion is empty (or not a string): a pair needs two non-empty completions; "
+                f"remove the row")
     if row[chosen] == row[rejected]:
         return (f"chosen and rejected completions are identical ({row[chosen][:40]!r}), so the pair carries no "
                 f"preference (d = 0 always); remove the row")
@@ -374,7 +374,7 @@ def load_pairs(tokenizer, args: Args, split: str, limit: Optional[int] = None) -
     """A split's pairs (at most `limit`), checked and tokenised once: (prompt, chosen + EOS, rejected + EOS) ids,
     the prompt keeping its last --max-prompt-length tokens and each completion its first --max-completion-length."""
     columns = (args.prompt_column, args.chosen_column, args.rejected_column)
-    ds = load_split(args.dataset, split, list(columns), "--prompt-column/--chosen-column/--rejected-column")
+    ds = load_split(args.dataset, split, list(columns), PAIR_FLAGS)
     ds = ds.select(range(min(limit, len(ds)))) if limit is not None else ds
     for i, row in enumerate(ds, 1):  # a hub dataset's rows are checked here (local files in check_args)
         if problem := pair_problem(row, *columns):
@@ -402,7 +402,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device):
 
 
 class PairOrder:
-    """Epochs of a seeded random permutation of the pairs; a batch that would run past an epoch's end starts the next."""
+    """Epochs of a seeded random permutation; a batch that would run past an epoch's end starts the next one."""
 
     def __init__(self, n: int, seed: int):
         self.n, self.gen = n, torch.Generator().manual_seed(seed)
@@ -462,13 +462,13 @@ def dpo_update(policy, optimizer, pairs: list, rows: list[int], args: Args, micr
             ref = reference(rows[k : k + micro], tensors) if reference else (None, None)
             chosen, rejected = pair_logratios(logp[0], logp[1], ref[0], ref[1], lengths[0], lengths[1], args.loss_type,
                                               args.ipo_logps)
-            losses = preference_loss(chosen, rejected, args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
             nll = -logp[0] / lengths[0]  # RPO: the chosen completion's per-token NLL (arXiv:2404.19733)
-            per_pair = losses + args.rpo_alpha * nll
+            per_pair = preference_loss(chosen, rejected, args.loss_type, args.beta, args.label_smoothing,
+                                       args.simpo_gamma) + args.rpo_alpha * nll
             (per_pair.sum() / args.batch_size * world).backward()  # DDP averages gradients over processes
         chosen, rejected = args.beta * chosen, args.beta * rejected  # implicit rewards
-        for name, x in (("loss", per_pair), ("nll", nll), ("chosen", chosen), ("rejected", rejected),
-                        ("correct", (chosen > rejected).float()), ("logps_chosen", logp[0]), ("logps_rejected", logp[1])):
+        for name, x in (("loss", per_pair), ("nll", nll), ("chosen", chosen), ("rejected", rejected), ("correct", (
+                chosen > rejected).float()), ("logps_chosen", logp[0]), ("logps_rejected", logp[1])):
             sums[name] += float(x.detach().sum())
         tokens += sum(2 * len(p) + len(c) + len(r) for p, c, r in some)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -487,9 +487,8 @@ def check_args(args: Args) -> int:
     """Every check that needs no model loading (the local pairs files are read and checked); -> the micro-batch
     (pairs) each process uses."""
     check_common(args, ("total_steps", "batch_size", "max_completion_length", "max_prompt_length", "log_every",
-                        "learning_rate"),
-                 ("eval_every", "save_every", "warmup_steps", "eval_limit", "pref_eval_limit", "lora_r",
-                  "micro_batch_size"), (args.model_name_or_path,))
+                        "learning_rate"), ("eval_every", "save_every", "warmup_steps", "eval_limit", "pref_eval_limit",
+                                           "lora_r", "micro_batch_size"), (args.model_name_or_path,))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: "
@@ -516,8 +515,8 @@ def check_args(args: Args) -> int:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
     pair_splits = [s for s in (args.dataset_split, args.pref_eval_split) if s]
     columns = (args.prompt_column, args.chosen_column, args.rejected_column)
-    check_data(args.dataset, {s: (lambda row: pair_problem(row, *columns)) if s in pair_splits else None
-                              for s in pair_splits + [args.eval_split] * bool(args.eval_split)})
+    check_data(args.dataset, {s: None for s in pair_splits + [args.eval_split] * bool(args.eval_split)})  # JSON first
+    check_data(args.dataset, {s: lambda row: pair_problem(row, *columns) for s in pair_splits})
     return micro
 
 
@@ -540,7 +539,8 @@ def main(args: Args) -> dict:
         ev = load_split(args.dataset, args.eval_split, [args.prompt_column, args.answer_column],
                         "--prompt-column/--answer-column")
         n = min(len(ev), args.eval_limit)
-        eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
+        eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template,
+                                    args.prompt_column)
         eval_answers = list(ev[args.answer_column][:n])
 
     # 2. Model: the policy (optionally with LoRA adapters) and the reference: loaded again from the same weights
@@ -554,8 +554,8 @@ def main(args: Args) -> dict:
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                                                 lora_dropout=args.lora_dropout, task_type="CAUSAL_LM"))
     elif uses_ref and not args.precompute_ref_logps:
         ref_model = load_model(args.model_name_or_path, weights_dtype, device).eval().requires_grad_(False)
     raw_model = model
@@ -564,16 +564,18 @@ def main(args: Args) -> dict:
         run.say(f"--pack-pairs: running chosen and rejected in rows of their own, as {why_not_packed}")
     packed = args.pack_pairs and not why_not_packed
     logprobs = packed_logprobs if packed else sequence_logprobs
-    collate = lambda rows: tuple(  # noqa: E731  (pairs -> logprobs' tensors on the device: 1 row per pair packed, else 2)
-        t.to(device) for t in (pack_pairs if packed else collate_pairs)(rows, tokenizer.pad_token_id))
-    policy = PolicyLogprobs(model, packed)
+
+    def collate(rows: list) -> tuple:  # pairs -> logprobs' tensors on the device: one row per pair packed, else two
+        return tuple(t.to(device) for t in (pack_pairs if packed else collate_pairs)(rows, tokenizer.pad_token_id))
+
+    policy = PolicyLogprobs(model, logprobs)
     if run.ddp:
-        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda" else None)
+        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda"
+                                                           else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
 
-    # The reference's log-probs of the held-out pairs, and with --precompute-ref-logps of every training pair, once,
-    # from the policy itself: it holds the initial weights until section 3 (a resumed run's are loaded there), so it
-    # is the reference. Precomputed, no second model is ever loaded and no step runs a reference forward pass.
+    # The reference's log-probs of the held-out pairs (and with --precompute-ref-logps of every training pair), once,
+    # from the policy itself: it holds the initial weights until section 3 loads a resumed run's: it is the reference.
     eval_ref = pair_logps(raw_model, eval_pairs, logprobs, collate, micro, autocast) if uses_ref else None
     train_ref = pair_logps(raw_model, pairs, logprobs, collate, micro, autocast) if args.precompute_ref_logps else None
 
@@ -598,9 +600,11 @@ def main(args: Args) -> dict:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
-            set_peft_model_state_dict(raw_model, load_file(Path(args.resume) / "adapter_model.safetensors", device=str(device)))
+            set_peft_model_state_dict(raw_model, load_file(Path(args.resume) / "adapter_model.safetensors",
+                                                           device=str(device)))
         else:
-            raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=weights_dtype).state_dict())
+            raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume,
+                                                                           dtype=weights_dtype).state_dict())
         state = run.load_state()
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -618,7 +622,8 @@ def main(args: Args) -> dict:
                                    eval_pairs, args)
         if eval_prompts:
             metrics["eval/accuracy"], samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers,
-                                                                args.max_completion_length, eos_ids, progress=run.progress)
+                                                                args.max_completion_length, eos_ids,
+                                                                progress=run.progress)
         return metrics, samples
 
     def save() -> Path:
