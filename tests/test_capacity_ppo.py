@@ -20,7 +20,11 @@ def tiny_args(tmp_path, **overrides) -> cp.Args:
     return cp.Args(output_dir=str(tmp_path), **{**TINY, **overrides})
 
 
-REWARD_WEIGHTS = dict(accuracy_weight=1.0, energy_cost=0.03, switch_penalty=0.05, escalation_bonus=0.2,
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+REWARD_ARGS = cp.Args(accuracy_weight=1.0, energy_cost=0.03, switch_penalty=0.05, escalation_bonus=0.2,
                       escalation_threshold=0.7, efficiency_bonus=0.1, efficiency_threshold=0.95)
 
 
@@ -142,22 +146,22 @@ def test_normalize_advantages_and_explained_variance():
 ])
 def test_reward_terms_hand_computed(accuracy, capacity, prev, expected):
     terms = cp.reward_terms(torch.tensor([accuracy]), torch.tensor([float(capacity)]), torch.tensor([float(prev)]),
-                            **REWARD_WEIGHTS)
+                            REWARD_ARGS)
     assert set(terms) == {"accuracy", "energy", "switch", "escalation", "efficiency"}
     assert sum(terms.values()).item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_task_accuracy_and_oracle_hand_computed():
-    kw = dict(slots_at_max_difficulty=12.0, temperature=1.0, chance=0.25)
+    args = cp.Args(slots_at_max_difficulty=12.0, accuracy_temperature=1.0, chance_accuracy=0.25, energy_cost=0.03)
     # d = 0.5 needs 6 slots: n = 6 is at the midpoint between chance and 1
-    assert cp.task_accuracy(torch.tensor(6.0), torch.tensor(0.5), **kw).item() == pytest.approx(0.625)
+    assert cp.task_accuracy(torch.tensor(6.0), torch.tensor(0.5), args).item() == pytest.approx(0.625)
     sig = 1 / (1 + math.exp(-3.0))
-    assert cp.task_accuracy(torch.tensor(9.0), torch.tensor(0.5), **kw).item() == pytest.approx(0.25 + 0.75 * sig)
+    assert cp.task_accuracy(torch.tensor(9.0), torch.tensor(0.5), args).item() == pytest.approx(0.25 + 0.75 * sig)
     caps = torch.tensor([4.0, 6.0, 9.0, 12.0])
     difficulty = torch.tensor([0.0, 0.5, 1.0])
     expected = [max(range(4), key=lambda i: 0.25 + 0.75 / (1 + math.exp(-(caps[i].item() - 12 * d))) - 0.03 * caps[i].item())
                 for d in difficulty.tolist()]
-    got = cp.oracle_actions(difficulty, caps, accuracy_weight=1.0, energy_cost=0.03, **kw)
+    got = cp.oracle_actions(difficulty, caps, args)
     assert got.tolist() == expected == [0, 2, 3]
 
 
@@ -220,7 +224,7 @@ def test_budget_terminates_and_step_limit_truncates():
 def test_short_run_beats_the_best_fixed_capacity(tmp_path):
     args = cp.Args(output_dir=str(tmp_path), total_steps=40_960, eval_every=0, num_eval_envs=512)
     torch.manual_seed(args.seed)  # the untrained agent must not depend on what ran before in this process
-    before, _ = cp.evaluate(args, cp.Agent(args.workspace_dim + 7, 4), "cpu")
+    before = cp.evaluate(args, cp.Agent(args.workspace_dim + 7, 4), "cpu")
     metrics = cp.main(args)
     # adaptation matters in this environment: the oracle beats every fixed capacity by >= 15% of its lead on random
     assert metrics["eval/oracle_advantage"] >= 0.15
@@ -235,7 +239,7 @@ def test_run_directory_metrics_and_checkpoint_reload(tmp_path):
     metrics = cp.main(args)
     run_dir = tmp_path / args.run_name
     assert json.loads((run_dir / "args.json").read_text())["capacities"] == [4, 6, 9, 12]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 128, 256, 384, 512]
     train_keys = {"charts/episodic_return", "charts/learning_rate", "losses/value_loss", "losses/policy_loss",
                   "losses/entropy", "losses/approx_kl", "losses/clipfrac", "losses/explained_variance"}
@@ -250,23 +254,21 @@ def test_run_directory_metrics_and_checkpoint_reload(tmp_path):
         assert {f"rewards/{t}" for t in terms} | {"rewards/total", "charts/mean_value", "charts/mean_return"} <= set(row)
         assert sum(row[f"rewards/{t}"] for t in terms) == pytest.approx(row["rewards/total"], abs=1e-5)
         assert row["rewards/accuracy"] > 0 > row["rewards/energy"]
-    assert (run_dir / "curves.png").stat().st_size > 10_000
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step_256", "step_512"]  # periodic + final, no temporary folder left
     assert metrics["checkpoint"] == str(run_dir / "checkpoints" / "step_512")
 
     agent = cp.load_agent(metrics["checkpoint"])
-    reloaded, _ = cp.evaluate(args, agent, "cpu")
+    reloaded = cp.evaluate(args, agent, "cpu")
     assert reloaded["eval/return"] == metrics["eval/return"]
 
 
 def test_target_kl_stops_the_epochs_early(tmp_path):
-    metrics_file = lambda args: tmp_path / args.run_name / "metrics.jsonl"
     for target_kl, expected in [(None, [4, 4, 4, 4]), (1e-8, [1, 1, 1, 1])]:
         args = tiny_args(tmp_path, target_kl=target_kl, update_epochs=4, anneal_lr=False, learning_rate=1e-3,
                          exp_name=f"kl{target_kl}")
         cp.main(args)
-        rows = [json.loads(line) for line in metrics_file(args).read_text().splitlines()[1:]]
+        rows = read_metrics(tmp_path / args.run_name)[1:]
         assert [r["losses/epochs"] for r in rows] == expected
         assert all(r["charts/learning_rate"] == 1e-3 for r in rows)  # --no-anneal-lr keeps it constant
 
@@ -294,8 +296,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_is_exact(tmp_path, monkeypatch):
     a, b = cp.load_agent(straight["checkpoint"]), cp.load_agent(resumed["checkpoint"])
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(x, y), name
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 128, 256, 384, 512]
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 128, 256, 384, 512]
 
 
 def test_track_logs_to_wandb_offline(tmp_path, monkeypatch):
@@ -314,7 +315,7 @@ def test_track_logs_to_wandb_offline(tmp_path, monkeypatch):
     cp.main(args)
     assert list((tmp_path / args.run_name / "wandb").glob("offline-run-*"))
     # W&B receives every metrics.jsonl row, at its step, with the same values
-    rows = [json.loads(line) for line in (tmp_path / args.run_name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / args.run_name)
     assert [step for step, _ in logged] == [r["step"] for r in rows] == [0, 128, 256]
     for (_, got), row in zip(logged, rows):
         assert got == pytest.approx({k: v for k, v in row.items() if k != "step"}, nan_ok=True)
@@ -366,15 +367,15 @@ def test_truncated_steps_bootstrap_from_the_final_state_terminated_ones_do_not(t
 
 def test_value_clipping_is_off_by_default():
     # the clip (+-clip_coef) is in raw return units while returns are ~20: it made the critic lag
-    # the whole run (module docstring); --clip-vloss turns it back on
+    # the whole run (docs/capacity_ppo.md); --clip-vloss turns it back on
     assert cp.Args().clip_vloss is False
     assert tyro.cli(cp.Args, args=["--clip-vloss"]).clip_vloss is True
 
 
 def test_spec_energy_term_hand_computed():
     # -0.1 * energy_used / n^2: 30 slot-steps used at n = 6 -> -0.1 * 30 / 36
-    terms = cp.reward_terms(torch.tensor([0.5]), torch.tensor([6.0]), torch.tensor([6.0]), energy_term="spec",
-                            energy_used=torch.tensor([30.0]), **REWARD_WEIGHTS)
+    terms = cp.reward_terms(torch.tensor([0.5]), torch.tensor([6.0]), torch.tensor([6.0]), cp.Args(energy_term="spec"),
+                            torch.tensor([30.0]))
     assert terms["energy"].item() == pytest.approx(-0.1 * 30 / 36)
     env = cp.CapacityEnv(cp.Args(energy_term="spec"), 1, 0)
     rewards_seen = [env.step(torch.tensor([1]))[4]["terms"]["energy"].item() for _ in range(3)]
