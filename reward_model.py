@@ -4,29 +4,27 @@ InstructGPT (arXiv:2203.02155, Sec. 3.5): a language model whose unembedding is 
 r(x, y) for prompt x and response y, and is trained on pairs where y_c was preferred to y_r:
     loss = -E[ log sigmoid(r(x, y_c) - r(x, y_r) - m) ] + c E[ (r(x, y_c) + r(x, y_r))^2 ]              (Eq. 1)
 with Llama 2's margin m (arXiv:2307.09288, Eq. 2; `--margin-column`, else 0) and reward centring c (arXiv:2312.09244,
-`--center-rewards-coef`, else 0). After training, the mean and std of the scores of the training prompts' chosen
-responses go into final/config.json (`reward_mean`, `reward_std`), so that ppo.py can whiten the scores:
-    rewards.make_reward({"type": "reward_model", "model": "runs/<run>/final", "normalize": True}).
+`--center-rewards-coef`). The mean and std of the scores of the training pairs' chosen texts go into
+final/config.json (`reward_mean`, `reward_std`) for whitened rewards in ppo.py (the reward's `"normalize": true`).
 
 Run:
     python reward_model.py                                        # embedded: models/tiny-arith on data/arith prefs
-    python reward_model.py --center-rewards-coef 0.01 --margin-column margin   # (data with a margin column)
     python reward_model.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/hub-prefs --dataset-split train \
-        --eval-split test --max-length 1024 --micro-batch-size 4 --learning-rate 1e-5 --lora-r 16   # any HF model
+        --eval-split test --max-length 1024 --micro-batch-size 4 --learning-rate 1e-5 --lora-r 16
     torchrun --nproc-per-node 2 reward_model.py                  # data parallel (gloo on CPU, nccl on GPU)
-    # InstructGPT's pipeline: SFT -> reward model -> PPO scored by it (a reward spec with options goes in a file)
+    # InstructGPT's pipeline: SFT -> reward model -> PPO scored by it
     python sft.py && python reward_model.py --model-name-or-path runs/<sft-run>/final
     echo '{"type": "reward_model", "model": "runs/<rm-run>/final", "normalize": true}' > rm_reward.json
     python ppo.py --model-name-or-path runs/<sft-run>/final --reward rm_reward.json
 
 Deviations (why, and the measurements: docs/reward_model.md):
-- The score head is new, initialised N(0, 1/(H+1)) as in lm-human-preferences (arXiv:2403.17031), not HF's std 0.02.
-- The text scored is prompt + response as the tokenizer encodes it (no EOS appended), read at its last real token:
-  what AutoModelForSequenceClassification and the `reward_model` reward compute; position ids count real tokens.
-- Prefix sharing (`--pack-pairs`, arXiv:2410.20305): a pair is one row, chosen + the rejected tail, masked so that
-  every token sees what it sees alone (the same scores and gradients); checked at start, unpacked if it fails.
+- The new score head is initialised N(0, 1/(H+1)) as in lm-human-preferences (arXiv:2403.17031), not HF's std 0.02.
+- The text scored is prompt + response as the tokenizer encodes it (no EOS appended), read at its last real token,
+  as AutoModelForSequenceClassification and the `reward_model` reward read it.
+- Prefix sharing (`--pack-pairs`, arXiv:2410.20305): a pair in one row, chosen + the rejected tail, masked so that
+  every token sees what it sees alone (the same scores); checked at start, unpacked if the model fails the check.
 - A batch is `--batch-size` pairs in epoch order, one comparison a row (InstructGPT: all K(K-1)/2 of a prompt).
-- Pairs longer than `--max-length` tokens are dropped (with a notice), not truncated; identical responses are an error.
+- Pairs longer than `--max-length` are dropped (with a notice), not truncated; identical responses are an error.
 - Held-out accuracy counts ties as wrong; dropout is off; AdamW with warmup and cosine decay.
 """
 
@@ -317,8 +315,8 @@ def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = F
     scores = score_sequences(model, [c for c, _, _ in pairs] + [r for _, r, _ in pairs], pad_id, device, autocast,
                              progress=progress)
     chosen, rejected = scores.split(len(pairs))
-    return {"eval/pref_accuracy": float((chosen > rejected).float().mean()),
-            "eval/margin": float((chosen - rejected).mean()), "eval/loss": float(preference_loss(chosen, rejected).mean())}
+    return {"eval/pref_accuracy": float((chosen > rejected).float().mean()), "eval/margin":
+            float((chosen - rejected).mean()), "eval/loss": float(preference_loss(chosen, rejected).mean())}
 
 
 class PairOrder:
@@ -379,7 +377,7 @@ def preference_update(scorer, optimizer, pairs: list, micro: int, args, pad_id: 
 
 
 def pair_problem(columns: list[str], margin_column: Optional[str]) -> Callable[[dict], Optional[str]]:
-    """A check of one row of preference data: -> what is wrong with it and the fix, or None."""
+    """A row check of preference data: -> what is wrong with a row and the fix, or None."""
     def problem(row: dict) -> Optional[str]:
         missing = [c for c in columns if c not in row]
         if missing:
@@ -395,13 +393,12 @@ def pair_problem(columns: list[str], margin_column: Optional[str]) -> Callable[[
     return problem
 
 
-RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "track", "wandb_project_name",
-                     "wandb_entity", "device", "pack_pairs")
+RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "track",
+                     "wandb_project_name", "wandb_entity", "device", "pack_pairs")
 
 
 def check_args(args: Args) -> int:
-    """Every check that needs no model loading (local data is read once here); -> the micro-batch (pairs) each
-    process uses."""
+    """Every check that needs no model loading (local data is read here); -> the micro-batch (pairs) of a process."""
     check_common(args, ("total_steps", "batch_size", "max_length", "log_every", "learning_rate"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "micro_batch_size",
                   "center_rewards_coef"), (args.model_name_or_path,))
@@ -439,12 +436,10 @@ def main(args: Args) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     pad_id = tokenizer.pad_token_id
     pairs, dropped = load_pairs(args, tokenizer, args.dataset_split, with_margin=True)
-    eval_pairs = []
-    if args.eval_split:
-        eval_pairs, eval_dropped = load_pairs(args, tokenizer, args.eval_split, with_margin=False, limit=args.eval_limit)
-        dropped += eval_dropped
-    if dropped:
-        run.say(f"dropped {dropped} pairs longer than --max-length {args.max_length} tokens")
+    eval_pairs, eval_dropped = load_pairs(args, tokenizer, args.eval_split, False, args.eval_limit) if args.eval_split \
+        else ([], 0)
+    if dropped + eval_dropped:
+        run.say(f"dropped {dropped + eval_dropped} pairs longer than --max-length {args.max_length} tokens")
 
     # 2. Model: the causal LM with a new scalar head (a sequence classifier with one output), or a reward model.
     weights_dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -466,18 +461,17 @@ def main(args: Args) -> dict:
 
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                  target_modules="all-linear", task_type="SEQ_CLS"))
-    raw_model = model
-    why_not_packed = check_packing(raw_model, pairs, pad_id, device) if args.pack_pairs else None
+    why_not_packed = check_packing(model, pairs, pad_id, device) if args.pack_pairs else None
     if why_not_packed:
         run.say(f"--pack-pairs: scoring chosen and rejected texts in rows of their own, as {why_not_packed}")
     packed = args.pack_pairs and not why_not_packed
-    scorer = PairScorer(raw_model, packed)
+    scorer = PairScorer(model, packed)
     if run.ddp:
         scorer = torch.nn.parallel.DistributedDataParallel(scorer, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
 
     # 3. Optimiser, schedule and data order (the same on every process); on --resume the weights, then their states.
-    optimizer = torch.optim.AdamW([p for p in raw_model.parameters() if p.requires_grad], lr=args.learning_rate,
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
     lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -488,9 +482,9 @@ def main(args: Args) -> dict:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
-            set_peft_model_state_dict(raw_model, load_file(Path(args.resume) / "adapter_model.safetensors", device=str(device)))
+            set_peft_model_state_dict(model, load_file(Path(args.resume) / "adapter_model.safetensors", device=str(device)))
         else:
-            raw_model.load_state_dict(AutoModelForSequenceClassification.from_pretrained(
+            model.load_state_dict(AutoModelForSequenceClassification.from_pretrained(
                 args.resume, num_labels=1, dtype=weights_dtype).state_dict())
         state = run.load_state()
         optimizer.load_state_dict(state["optimizer"])
@@ -502,15 +496,15 @@ def main(args: Args) -> dict:
                                               args.lr_schedule, lr_anchor))
 
     def measure() -> tuple[dict, list]:
-        return (pair_metrics(raw_model, eval_pairs, pad_id, device, autocast, run.progress) if eval_pairs else {}), []
+        return (pair_metrics(model, eval_pairs, pad_id, device, autocast, run.progress) if eval_pairs else {}), []
 
     def save() -> Path:
-        return run.checkpoint(raw_model, tokenizer, {"optimizer": optimizer.state_dict(), "scheduler":
+        return run.checkpoint(model, tokenizer, {"optimizer": optimizer.state_dict(), "scheduler":
                                                      scheduler.state_dict(), "lr_anchor": lr_anchor, **order.state()},
                               per_rank={})
 
     # 4. Train.
-    n_train = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     head = f"; new score head {', '.join(new_head)} ~ N(0, 1/(H+1))" if new_head else ""
     run.say(f"run directory: {run.dir}  |  {len(pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
             f"{n_train / 1e6:.2f}M trainable parameters on {device}, micro-batch {micro} pairs"
@@ -538,23 +532,28 @@ def main(args: Args) -> dict:
                 loss_sum, correct, margin_sum, reward_sum, n_tokens = local.tolist()
                 final = {"step": step, "train/loss": loss_sum, "train/accuracy": correct / args.batch_size,
                          "train/margin": margin_sum / args.batch_size, "train/reward": reward_sum / args.batch_size,
-                         "train/grad_norm": float(grad_norm), "train/lr": lr, "perf/step_s": seconds / (step - last_log),
-                         "perf/tokens_per_s": n_tokens / max(seconds, 1e-9)}
+                         "train/grad_norm": float(grad_norm), "train/lr": lr,
+                         "perf/step_s": seconds / (step - last_log), "perf/tokens_per_s": n_tokens / max(seconds, 1e-9)}
                 run.log(final)
                 tokens, seconds, last_log = 0, 0.0, step
 
-    # 5. The reward model (LoRA merged into it), with the mean and std of its scores of the training prompts' chosen
-    #    responses in its config for ppo.py's whitened rewards; then the final evaluation, a checkpoint, and final/.
-    merged, notes = raw_model, ()
+    # 5. The reward model (LoRA merged into it) and the mean and std of its scores of the training pairs' chosen texts,
+    #    for ppo.py's whitened rewards; then the final evaluation, a checkpoint, and final/ with the statistics.
+    merged, stats, notes = model, {}, ()
     if rank == 0 and not run.stop:
-        merged = copy.deepcopy(raw_model).merge_and_unload() if args.lora_r else raw_model
+        merged = copy.deepcopy(model).merge_and_unload() if args.lora_r else model
         chosen = score_sequences(merged, [c for c, _, _ in pairs], pad_id, device, autocast, progress=run.progress)
-        merged.config.reward_mean, merged.config.reward_std = float(chosen.mean()), float(chosen.std())
-        final.update({"final/reward_mean": merged.config.reward_mean, "final/reward_std": merged.config.reward_std})
-        notes = (f"reward statistics for ppo.py: reward_mean {merged.config.reward_mean:.4g}, reward_std "
-                 f"{merged.config.reward_std:.4g} (saved in {run.dir / 'final' / 'config.json'}; the reward "
+        stats = {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
+        final.update({f"final/{k}": v for k, v in stats.items()})
+        notes = (f"reward statistics for ppo.py: reward_mean {stats['reward_mean']:.4g}, reward_std "
+                 f"{stats['reward_std']:.4g} (saved in {run.dir / 'final'}/config.json; the reward "
                  f'{{"type": "reward_model", "model": "{run.dir / "final"}", "normalize": true}} whitens with them)',)
-    return run.finish(final, measure, save, merged, tokenizer, notes=notes)
+
+    def final_model():  # the statistics go into final/config.json, not into the last checkpoint's
+        merged.config.update(stats)
+        return merged
+
+    return run.finish(final, measure, save, final_model, tokenizer, notes=notes)
 
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
@@ -572,15 +571,16 @@ def answer_matches(text: str, answer) -> bool:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=None, batch_size=128, progress=False):
+def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=None, batch_size=128,
+                    progress=False):
     """Greedy decoding on left-padded batches -> (accuracy, [(prompt, completion, answer)])."""
     model.eval()
     samples = []
     for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(model.device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=eos_ids or tokenizer.eos_token_id)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids or
+                             tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
         samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
     model.train()
@@ -593,7 +593,8 @@ def load_split(dataset: str, split: str, columns: list[str], flags: str):
     if path.is_dir():
         ds = load_dataset("json", data_files={split: str(path / f"{split}.jsonl")}, split=split)
     else:
-        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(dataset, split=split)
+        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(
+            dataset, split=split)
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose "
@@ -648,7 +649,7 @@ def check_data(dataset: str, splits: dict[str, Optional[Callable[[dict], Optiona
                 raise ValueError(f"{file}, line {i}: {wrong}")
 
 
-def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]) -> None:
+def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
     """The checks every script makes before any work: counts, device and dtype, model folders, W&B login."""
     for name in positive + non_negative:
         if getattr(args, name) <= 0 if name in positive else getattr(args, name) < 0:
@@ -657,7 +658,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         raise ValueError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU on this machine: use --device cpu (or auto)")
+        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU here: use --device cpu (or auto)")
     if args.dtype == "float16" and (args.device == "cpu" or not torch.cuda.is_available()):
         raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
                          "(or bfloat16) on CPU; float16 is for GPUs")
@@ -691,13 +692,15 @@ def resume_args(args, may_change: tuple[str, ...]):
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass a runs/<run>/checkpoints/step_N folder")
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass runs/<run>/checkpoints/step_N")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
-    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in cls.__dataclass_fields__})
-    for name in set(cls.__dataclass_fields__) - {"exp_name", "output_dir", "run_name", "resume"}:
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+                 if k in cls.__dataclass_fields__})  # JSON has no tuples
+    for name in cls.__dataclass_fields__:
         given = getattr(args, name)
-        if given in (getattr(defaults, name), getattr(out, name)):
+        if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
+                                                                                  getattr(out, name)):
             continue
         if name not in may_change:
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
@@ -815,8 +818,11 @@ class Run:
         if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this checkpoint
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
-            rows = (self.dir / "metrics.jsonl").read_text().splitlines()
-            (self.dir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= self.start))
+            rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
+            rows = [r for r in rows if r["step"] <= self.start]
+            (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            for row in rows:  # the summary's start values are the run's own, from before the resume
+                self.first = {**row, **self.first}
             saved = json.loads((self.dir / "args.json").read_text())
             saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
                                                     "overrides": self.overrides})
