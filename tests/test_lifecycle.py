@@ -25,7 +25,7 @@ TINY = {
     "dpo": dict(total_steps=2, batch_size=4, micro_batch_size=2, eval_limit=4, warmup_steps=0, learning_rate=3e-3),
     "hybrid": dict(total_steps=2, prompts_per_step=4, sft_batch_size=4, max_completion_length=8, eval_limit=4,
                    warmup_steps=0, learning_rate=3e-3, sft_fraction_start=0.5, sft_fraction_end=0.5),
-    "reward_model": dict(total_steps=2, batch_size=2, eval_limit=8, warmup_steps=0, learning_rate=3e-3),
+    "reward_model": dict(total_steps=2, batch_size=2, eval_limit=8, warmup_steps=0, learning_rate=3e-3, log_every=1),
     "sft": dict(total_steps=2, batch_size=8, eval_limit=4, max_new_tokens=8, warmup_steps=0, learning_rate=1e-3),
 }
 
@@ -174,7 +174,8 @@ def test_bad_input_fails_before_any_work(tiny, tmp_path, script, change, message
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("content,message", [
     ("", "is empty: it needs at least one JSON line"),
-    ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", answer: 4}\n', "line 2: not valid JSON"),
+    ('{"prompt": "1+1=", "answer": "2", "completion": "2", "chosen": "2", "rejected": "3"}\n{"prompt": "2+2=", a: 4}\n',
+     "line 2: not valid JSON"),
     ('["1+1=", "2"]\n', "line 1: expected a JSON object"),
     (None, "not found"),
 ])
