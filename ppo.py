@@ -1103,8 +1103,11 @@ class Run:
         if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this checkpoint
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
-            rows = [r for r in (self.dir / "metrics.jsonl").read_text().splitlines() if json.loads(r)["step"] <= self.start]
-            (self.dir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
+            rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
+            rows = [r for r in rows if r["step"] <= self.start]
+            (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            for row in rows:  # the summary's start values are the run's own, from before the resume
+                self.first = {**row, **self.first}
             saved = json.loads((self.dir / "args.json").read_text())
             saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
                                                     "overrides": self.overrides})

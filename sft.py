@@ -389,15 +389,16 @@ def answer_matches(text: str, answer) -> bool:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=None, batch_size=128, progress=False):
+def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=None, batch_size=128,
+                    progress=False):
     """Greedy decoding on left-padded batches -> (accuracy, [(prompt, completion, answer)])."""
     model.eval()
     samples = []
     for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(model.device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=eos_ids or tokenizer.eos_token_id)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids or
+                             tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
         samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
     model.train()
@@ -410,7 +411,8 @@ def load_split(dataset: str, split: str, columns: list[str], flags: str):
     if path.is_dir():
         ds = load_dataset("json", data_files={split: str(path / f"{split}.jsonl")}, split=split)
     else:
-        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(dataset, split=split)
+        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(
+            dataset, split=split)
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose "
@@ -465,7 +467,7 @@ def check_data(dataset: str, splits: dict[str, Optional[Callable[[dict], Optiona
                 raise ValueError(f"{file}, line {i}: {wrong}")
 
 
-def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]) -> None:
+def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
     """The checks every script makes before any work: counts, device and dtype, model folders, W&B login."""
     for name in positive + non_negative:
         if getattr(args, name) <= 0 if name in positive else getattr(args, name) < 0:
@@ -474,7 +476,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         raise ValueError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU on this machine: use --device cpu (or auto)")
+        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU here: use --device cpu (or auto)")
     if args.dtype == "float16" and (args.device == "cpu" or not torch.cuda.is_available()):
         raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
                          "(or bfloat16) on CPU; float16 is for GPUs")
@@ -508,13 +510,15 @@ def resume_args(args, may_change: tuple[str, ...]):
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass a runs/<run>/checkpoints/step_N folder")
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass runs/<run>/checkpoints/step_N")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
-    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in cls.__dataclass_fields__})
-    for name in set(cls.__dataclass_fields__) - {"exp_name", "output_dir", "run_name", "resume"}:
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+                 if k in cls.__dataclass_fields__})  # JSON has no tuples
+    for name in cls.__dataclass_fields__:
         given = getattr(args, name)
-        if given in (getattr(defaults, name), getattr(out, name)):
+        if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
+                                                                                  getattr(out, name)):
             continue
         if name not in may_change:
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
@@ -632,8 +636,11 @@ class Run:
         if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this checkpoint
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
-            rows = (self.dir / "metrics.jsonl").read_text().splitlines()
-            (self.dir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= self.start))
+            rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
+            rows = [r for r in rows if r["step"] <= self.start]
+            (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            for row in rows:  # the summary's start values are the run's own, from before the resume
+                self.first = {**row, **self.first}
             saved = json.loads((self.dir / "args.json").read_text())
             saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
                                                     "overrides": self.overrides})
