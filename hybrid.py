@@ -1,16 +1,16 @@
 """Hybrid SFT + PPO: one model trained by alternating supervised and PPO steps on a curriculum.
 
-A causal LM with a value head on its own backbone (last hidden state -> one scalar per token) takes two kinds of step:
-    SFT step:  completion-only cross-entropy on a batch of demonstrations (InstructGPT, arXiv:2203.02155, Sec. 3.5),
-               L = - sum_t log pi(y_t | x, y_<t) / (completion tokens of the batch), as sft.py.
-    PPO step:  ppo.py's step (arXiv:1909.08593; N+, arXiv:2403.17031), the value head in place of a value model:
-        1. sample a completion o for each prompt q from pi_old, and score it: s = R(q, o)  (- the missing-EOS penalty)
-        2. r_t = -beta KL_t + [t = last token] s,  KL_t = log pi_old(o_t) - log pi_ref(o_t)     (Eq. 2 of 2203.02155)
+A causal LM with a value head on its backbone (last hidden state -> one scalar per token) takes two kinds of step:
+    SFT step:  completion-only cross-entropy on demonstrations (InstructGPT, arXiv:2203.02155, Sec. 3.5), as sft.py:
+               L = - sum_t log pi(y_t | x, y_<t) / (completion tokens of the batch)
+    PPO step:  ppo.py's (arXiv:1909.08593; N+, arXiv:2403.17031), the value head in place of a value model:
+        1. sample a completion o for each prompt q from pi_old and score it: s = R(q, o)  (- the missing-EOS penalty)
+        2. r_t = -beta KL_t + [t = last token] s,  KL_t = log pi_old(o_t) - log pi_ref(o_t)  (Eq. 2 of arXiv:2203.02155)
         3. GAE with the value head's V_t (Eq. 16 of arXiv:1506.02438), R_t = A_t + V_t
         4. epochs of mini-batches: clipped surrogate, clipped value loss, entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
         5. adapt beta to the batch's KL (Sec. 2.2 of arXiv:1909.08593).
     Curriculum: the share f(s) of SFT steps moves from --sft-fraction-start to --sft-fraction-end (linear, cosine or
-               step); step s is SFT iff floor(c(s) + u) > floor(c(s - 1) + u), c(s) = f(1) + ... + f(s), u from the seed.
+               step); step s is SFT iff floor(c(s) + u) > floor(c(s - 1) + u), c(s) = f(1) + ... + f(s), u ~ the seed.
 
 Run:
     python hybrid.py                                              # embedded: models/tiny-arith on data/arith
@@ -22,12 +22,12 @@ Run:
     torchrun --nproc-per-node 2 hybrid.py                         # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations and choices (why, and the measurements: docs/hybrid.md):
-- The value head is one zero-initialised linear layer on the policy's last hidden state (ppo.py keeps a separate value
-  model), saved as `value_head.safetensors` beside the model; final/ loads with AutoModelForCausalLM alone.
-- The default reward's `rouge_l` compares with the demonstration (`target`): an RL split without that column takes the
-  SFT split's completion of the same prompt (the whole split, also under --sft-limit).
-- One optimiser (the value head in its own parameter group) and one library schedule, advanced once per step of either
-  kind; reduce_on_plateau steps on eval/accuracy. --total-steps shapes the curriculum, so it cannot change on resume.
+- The value head is a zero-initialised linear layer on the policy's last hidden state, saved as value_head.safetensors
+  beside the model (ppo.py keeps a separate value model); final/ loads with AutoModelForCausalLM alone.
+- The default reward's `rouge_l` needs a demonstration (`target`): an RL split without that column takes the SFT
+  split's completion of the same prompt (from the whole split, also under --sft-limit).
+- One optimiser (the value head in its own parameter group) and one library schedule, stepped once per step of either
+  kind (reduce_on_plateau: on eval/accuracy). --total-steps shapes the curriculum, so it cannot change on resume.
 - Defaults fit the embedded model: 64 demonstrations or 64 prompts x 1 completion a step, lr 3e-4, 90% -> 30% SFT.
 - As ppo.py: token-mean losses per mini-batch, advantages whitened per process, log-probs of softmax(logits / T),
   dropout off, the reference a frozen copy (LoRA: adapters off). An SFT step's loss is the global batch's token mean.
@@ -187,9 +187,7 @@ class Args:
     """stop a step's remaining epochs once an epoch's mean approximate KL(pi_old || pi) exceeds this (None: never)"""
 
     # --- optimisation
-    optimizer: Literal["adamw", "adam", "sgd", "rmsprop", "adagrad", "adafactor", "adamw_8bit", "adam_8bit",
-                       "paged_adamw", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "paged_lion_8bit",
-                       "rmsprop_8bit", "sgd_8bit"] = "adamw"
+    optimizer: Literal[(*TORCH_OPTIMIZERS, *BNB_OPTIMIZERS)] = "adamw"
     """torch's optimisers, transformers' Adafactor, or bitsandbytes' 8-bit / paged ones (`pip install bitsandbytes`)"""
     learning_rate: float = 3e-4
     """peak learning rate of the backbone and LM head"""
@@ -207,9 +205,7 @@ class Args:
     """training steps of either kind; they shape the curriculum and the lr schedule, so cannot change on --resume"""
     micro_batch_size: int = 0
     """rows per forward/backward pass, length-sorted, gradients accumulated (0: largest divisor up to 128)"""
-    lr_scheduler: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                          "inverse_sqrt", "step", "multistep", "exponential", "onecycle", "cyclic",
-                          "reduce_on_plateau"] = "cosine"
+    lr_scheduler: Literal[HF_SCHEDULERS + TORCH_SCHEDULERS] = "cosine"
     """transformers.get_scheduler's schedules, or torch's (reduce_on_plateau: on eval/accuracy at each evaluation)"""
     warmup_steps: int = 20
     """linear warmup steps of the transformers schedules"""
@@ -280,21 +276,6 @@ def step_kinds(total_steps: int, start: float, end: float, curriculum: str, seed
 
 
 # ---- SFT steps (as sft.py)
-
-
-def sft_token_nll(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token negative log-likelihood of the labelled tokens, and their count: sft.py's
-    completion_only_loss, from the last hidden states and the lm_head, never the full logits.
-
-    input_ids, attention_mask, labels: [B, T], right-padded; labels are -100 on prompt and padding.
-    """
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    targets = labels[:, 1:]
-    keep = targets != -100
-    logp = linear_token_logprobs(hidden[:, :-1], model.get_output_embeddings().weight.to(hidden.dtype),
-                                 targets.clamp(min=0))
-    return -(logp * keep).sum(), int(keep.sum())
 
 
 def build_example(prompt_ids: list[int], completion_ids: list[int], eos_id: int, max_length: int):
@@ -544,8 +525,9 @@ class ActorCritic(torch.nn.Module):
         self.policy, self.value_head = policy, value_head
 
     def forward(self, input_ids, attention_mask, prompt_width: int = 0, temperature: float = 1.0, labels=None):
-        if labels is not None:
-            return sft_token_nll(self.policy, input_ids, attention_mask, labels)
+        if labels is not None:  # right-padded, -100 on prompt and padding: sft.py's completion_only_loss, summed
+            keep = labels[:, 1:] != -100
+            return -(completion_logprobs(self.policy, input_ids, attention_mask, 1, 1.0) * keep).sum(), int(keep.sum())
         # as completion_logprobs, keeping the hidden states: V_t is read where token t is predicted (its state)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         hidden = self.policy.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
@@ -829,12 +811,13 @@ RESUME_MAY_CHANGE = ("log_every", "eval_every", "save_every", "eval_limit", "num
 
 
 def check_args(args: Args) -> tuple[int, int]:
-    """Every check that needs no model or data loading, before any work; -> the micro-batches (PPO, SFT) of a process."""
+    """Every check that needs no model or data loading, before any work; -> a process's micro-batches (PPO, SFT)."""
     check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
                         "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
                         "sft_batch_size", "max_length", "lr_step_size", "learning_rate"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "top_k", "num_sample_completions",
-                  "micro_batch_size", "sft_limit", "plateau_patience"), (args.model_name_or_path,))
+                  "micro_batch_size", "sft_limit", "plateau_patience", "beta", "clip_high", "cliprange_value",
+                  "vf_coef", "entropy_coef"), (args.model_name_or_path,))
     for name in ("sft_fraction_start", "sft_fraction_end"):
         if not 0 <= getattr(args, name) <= 1:
             raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1] (a share of the steps), got "
@@ -850,7 +833,8 @@ def check_args(args: Args) -> tuple[int, int]:
     for name in ("prompts_per_step", "sft_batch_size"):
         if getattr(args, name) % world:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} does not split evenly over {world} "
-                             f"processes: use a multiple of {world}, e.g. {world * max(1, getattr(args, name) // world)}")
+                             f"processes: use a multiple of {world}, e.g. "
+                             f"{world * max(1, getattr(args, name) // world)}")
     per_process = args.prompts_per_step // world * args.num_generations
     what = (f"each process's completions (--prompts-per-step / {world} processes x --num-generations)" if world > 1
             else "--prompts-per-step x --num-generations")
@@ -867,22 +851,14 @@ def check_args(args: Args) -> tuple[int, int]:
         raise ValueError(f"--value-head-lr must be positive (or None: --learning-rate), got {args.value_head_lr}")
     if not (args.temperature > 0 and 0 < args.top_p <= 1):
         raise ValueError(f"need --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
-    if args.beta < 0:
-        raise ValueError(f"--beta must be >= 0 (the KL coefficient of the per-token reward), got {args.beta}: "
-                         f"use e.g. --beta 0.05, or 0 for no KL penalty")
     if args.kl_controller != "fixed" and not args.kl_target > 0:
         raise ValueError(f"--kl-controller {args.kl_controller} steers beta towards a KL target and needs a positive "
                          f"--kl-target (the mean summed KL of a completion, e.g. --kl-target 1.0), got {args.kl_target}")
     if args.kl_controller != "fixed" and args.beta == 0:
         raise ValueError(f"--kl-controller {args.kl_controller} multiplies beta, which stays 0: start it positive, "
                          f"e.g. --beta 0.05")
-    if not (0 <= args.clip_low <= 1) or args.clip_high < 0 or args.cliprange_value < 0:
-        raise ValueError(f"need 0 <= --clip-low <= 1, --clip-high >= 0 and --cliprange-value >= 0, got "
-                         f"{args.clip_low}, {args.clip_high}, {args.cliprange_value}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        raise ValueError(f"need 0 <= --gamma <= 1 and 0 <= --lam <= 1, got {args.gamma}, {args.lam}")
-    if args.vf_coef < 0 or args.entropy_coef < 0:
-        raise ValueError(f"need --vf-coef >= 0 and --entropy-coef >= 0, got {args.vf_coef}, {args.entropy_coef}")
+    if not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        raise ValueError(f"need 0 <= --clip-low, --gamma, --lam <= 1, got {args.clip_low}, {args.gamma}, {args.lam}")
     if args.target_kl is not None and args.target_kl <= 0:
         raise ValueError(f"--target-kl must be positive (or None: no early stop), got {args.target_kl}")
     if args.lora_r:
@@ -922,7 +898,8 @@ def main(args: Args) -> dict:
     if empty:
         raise ValueError(f"{len(empty)} prompts of split '{args.dataset_split}' are empty (row {empty[0]}): remove them")
     data = {"ids": prompt_ids, "prompts": raw_prompts, "texts": texts,
-            "columns": {name: list(train[col]) for name, col in columns.items() if not (demo_target and name == "target")}}
+            "columns": {name: list(train[col]) for name, col in columns.items()
+                        if not (demo_target and name == "target")}}
     if demo_target:
         data["columns"]["target"] = demonstration_targets(raw_prompts, list(sft[args.prompt_column]),
                                                           list(sft[args.completion_column]), args.sft_split)
@@ -981,9 +958,8 @@ def main(args: Args) -> dict:
     #    order everywhere, each process keeps its share); on --resume the weights, then all their states.
     policy_params = [p for p in raw_model.parameters() if p.requires_grad]
     value_params = list(value_head.parameters())
-    optimizer = make_optimizer(args.optimizer, [{"params": policy_params, "lr": args.learning_rate},
-                                                {"params": value_params, "lr": args.value_head_lr or args.learning_rate}],
-                               args)
+    optimizer = make_optimizer(args.optimizer, [{"params": policy_params, "lr": args.learning_rate}, {
+        "params": value_params, "lr": args.value_head_lr or args.learning_rate}], args)
     scheduler = make_scheduler(args.lr_scheduler, optimizer, args)
     kl_ctl = KLController(args.kl_controller, args.beta, args.kl_target, args.kl_horizon)
     kinds = step_kinds(args.total_steps, args.sft_fraction_start, args.sft_fraction_end, args.curriculum, args.seed)
@@ -1061,16 +1037,18 @@ def main(args: Args) -> dict:
                                                             args.sft_fraction_end, args.curriculum),
                          "train/lr": lr, "perf/tokens_per_s": tokens / max(timing["step"], 1e-9),
                          **{f"perf/{k}_s": v / (step - last_log) for k, v in timing.items()}, **metrics}
-                n = 0 if kinds[step - 1] else args.num_sample_completions
-                run.log(final, None if kinds[step - 1] else (
-                    "train/samples", ["step", "prompt", "completion", "reward", "score"],
-                    [[step, p, c, float(r), float(s)] for p, c, r, s in zip(
-                        batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n], batch["scores"][:n])]))
+                n = 0 if kinds[step - 1] else args.num_sample_completions  # sample completions of PPO steps
+                samples = zip(batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n],
+                              batch["scores"][:n]) if n else ()
+                run.log(final, ("train/samples", ["step", "prompt", "completion", "reward", "score"],
+                                [[step, p, c, float(r), float(s)] for p, c, r, s in samples]))
                 tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
 
-    # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) in final/, its value head beside it.
-    return run.finish(final, measure, save, (lambda: ActorCritic(copy.deepcopy(raw_model).merge_and_unload(), value_head))
-                      if args.lora_r else raw_actor_critic, tokenizer)
+    del actor_critic  # DDP's reducer (find_unused_parameters) freed after the process group can hang gloo at exit
+    # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) with its value head in final/.
+    return run.finish(final, measure, save, (lambda: ActorCritic(copy.deepcopy(raw_model).merge_and_unload(),
+                                                                 value_head)) if args.lora_r else raw_actor_critic,
+                      tokenizer)
 
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
@@ -1088,15 +1066,16 @@ def answer_matches(text: str, answer) -> bool:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=None, batch_size=128, progress=False):
+def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=None, batch_size=128,
+                    progress=False):
     """Greedy decoding on left-padded batches -> (accuracy, [(prompt, completion, answer)])."""
     model.eval()
     samples = []
     for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(model.device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=eos_ids or tokenizer.eos_token_id)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids or
+                             tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
         samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
     model.train()
@@ -1109,7 +1088,8 @@ def load_split(dataset: str, split: str, columns: list[str], flags: str):
     if path.is_dir():
         ds = load_dataset("json", data_files={split: str(path / f"{split}.jsonl")}, split=split)
     else:
-        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(dataset, split=split)
+        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(
+            dataset, split=split)
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose "
@@ -1164,7 +1144,7 @@ def check_data(dataset: str, splits: dict[str, Optional[Callable[[dict], Optiona
                 raise ValueError(f"{file}, line {i}: {wrong}")
 
 
-def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]) -> None:
+def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
     """The checks every script makes before any work: counts, device and dtype, model folders, W&B login."""
     for name in positive + non_negative:
         if getattr(args, name) <= 0 if name in positive else getattr(args, name) < 0:
@@ -1173,7 +1153,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         raise ValueError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU on this machine: use --device cpu (or auto)")
+        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU here: use --device cpu (or auto)")
     if args.dtype == "float16" and (args.device == "cpu" or not torch.cuda.is_available()):
         raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
                          "(or bfloat16) on CPU; float16 is for GPUs")
@@ -1207,13 +1187,15 @@ def resume_args(args, may_change: tuple[str, ...]):
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass a runs/<run>/checkpoints/step_N folder")
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass runs/<run>/checkpoints/step_N")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
-    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in cls.__dataclass_fields__})
-    for name in set(cls.__dataclass_fields__) - {"exp_name", "output_dir", "run_name", "resume"}:
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+                 if k in cls.__dataclass_fields__})  # JSON has no tuples
+    for name in cls.__dataclass_fields__:
         given = getattr(args, name)
-        if given in (getattr(defaults, name), getattr(out, name)):
+        if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
+                                                                                  getattr(out, name)):
             continue
         if name not in may_change:
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
@@ -1331,8 +1313,11 @@ class Run:
         if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this checkpoint
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
-            rows = (self.dir / "metrics.jsonl").read_text().splitlines()
-            (self.dir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= self.start))
+            rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
+            rows = [r for r in rows if r["step"] <= self.start]
+            (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            for row in rows:  # the summary's start values are the run's own, from before the resume
+                self.first = {**row, **self.first}
             saved = json.loads((self.dir / "args.json").read_text())
             saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
                                                     "overrides": self.overrides})
