@@ -26,7 +26,8 @@ TINY = {
     "hybrid": dict(total_steps=2, prompts_per_step=4, sft_batch_size=4, max_completion_length=8, eval_limit=4,
                    warmup_steps=0, learning_rate=3e-3, sft_fraction_start=0.5, sft_fraction_end=0.5),
     "reward_model": dict(total_steps=2, batch_size=2, eval_limit=8, warmup_steps=0, learning_rate=3e-3, log_every=1),
-    "sft": dict(total_steps=2, batch_size=8, eval_limit=4, max_new_tokens=8, warmup_steps=0, learning_rate=1e-3),
+    "sft": dict(total_steps=2, batch_size=8, eval_limit=4, max_new_tokens=8, warmup_steps=0, learning_rate=1e-3,
+                log_every=1),
 }
 
 
@@ -203,6 +204,9 @@ def test_track_without_a_wandb_login_fails_first(tiny, tmp_path, monkeypatch):
     (tmp_path / "netrc").write_text("")
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    import wandb
+
+    wandb.teardown()  # an earlier in-process --track test left W&B's settings (offline mode) cached: start afresh
     for script in SCRIPTS:
         with pytest.raises(ValueError, match="wandb login.*WANDB_MODE=offline"):
             module(script).main(tiny_args(script, tiny, tmp_path / "out", track=True))
