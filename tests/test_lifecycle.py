@@ -206,8 +206,11 @@ def test_track_without_a_wandb_login_fails_first(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     import wandb
 
-    wandb.teardown()  # an earlier in-process --track test left W&B's settings (offline mode) cached: start afresh
-    for script in SCRIPTS:
-        with pytest.raises(ValueError, match="wandb login.*WANDB_MODE=offline"):
-            module(script).main(tiny_args(script, tiny, tmp_path / "out", track=True))
-        assert not (tmp_path / "out").exists()
+    wandb.teardown()  # W&B caches its settings per process: drop the offline mode earlier tests ran under, and after
+    try:  # the test, this one's (no login), so that the next in-process --track run sees WANDB_MODE=offline again
+        for script in SCRIPTS:
+            with pytest.raises(ValueError, match="wandb login.*WANDB_MODE=offline"):
+                module(script).main(tiny_args(script, tiny, tmp_path / "out", track=True))
+            assert not (tmp_path / "out").exists()
+    finally:
+        wandb.teardown()
