@@ -370,11 +370,11 @@ def pair_problem(row: dict, prompt: str, chosen: str, rejected: str) -> Optional
     return None
 
 
-def load_pairs(tokenizer, args: Args, split: str, limit: Optional[int] = None) -> list[tuple[list[int], ...]]:
+def load_pairs(tokenizer, args: Args, flag: str, limit: Optional[int] = None) -> list[tuple[list[int], ...]]:
     """A split's pairs (at most `limit`), checked and tokenised once: (prompt, chosen + EOS, rejected + EOS) ids,
     the prompt keeping its last --max-prompt-length tokens and each completion its first --max-completion-length."""
     columns = (args.prompt_column, args.chosen_column, args.rejected_column)
-    ds = load_split(args.dataset, split, list(columns), PAIR_FLAGS)
+    ds, split = load_split(args, flag, list(columns), PAIR_FLAGS), getattr(args, flag)
     ds = ds.select(range(min(limit, len(ds)))) if limit is not None else ds
     for i, row in enumerate(ds, 1):  # a hub dataset's rows are checked here (local files in check_args)
         if problem := pair_problem(row, *columns):
@@ -513,10 +513,9 @@ def check_args(args: Args) -> int:
             import peft  # noqa: F401
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    pair_splits = [s for s in (args.dataset_split, args.pref_eval_split) if s]
     columns = (args.prompt_column, args.chosen_column, args.rejected_column)
-    check_data(args.dataset, {s: None for s in pair_splits + [args.eval_split] * bool(args.eval_split)})  # JSON first
-    check_data(args.dataset, {s: lambda row: pair_problem(row, *columns) for s in pair_splits})
+    check_data(args, {"dataset_split": lambda row: pair_problem(row, *columns), "eval_split": None,
+                      "pref_eval_split": lambda row: pair_problem(row, *columns)})
     return micro
 
 
@@ -532,11 +531,11 @@ def main(args: Args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pairs = load_pairs(tokenizer, args, args.dataset_split)
-    eval_pairs = load_pairs(tokenizer, args, args.pref_eval_split, args.pref_eval_limit) if args.pref_eval_split else []
+    pairs = load_pairs(tokenizer, args, "dataset_split")
+    eval_pairs = load_pairs(tokenizer, args, "pref_eval_split", args.pref_eval_limit) if args.pref_eval_split else []
     eval_prompts, eval_answers = [], []
     if args.eval_split:
-        ev = load_split(args.dataset, args.eval_split, [args.prompt_column, args.answer_column],
+        ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column],
                         "--prompt-column/--answer-column")
         n = min(len(ev), args.eval_limit)
         eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template,
@@ -703,18 +702,28 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
     return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
 
 
-def load_split(dataset: str, split: str, columns: list[str], flags: str):
-    """A split of a folder of `<split>.jsonl`, of a JSON-lines file, or of a hub dataset, with the columns needed."""
-    path = Path(dataset)
+def load_split(args, flag: str, columns: list[str], column_flags: str):
+    """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
+    single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none)."""
+    split, path, option = getattr(args, flag), Path(args.dataset), "--" + flag.replace("_", "-")
     if path.is_dir():
         ds = load_dataset("json", data_files={split: str(path / f"{split}.jsonl")}, split=split)
+    elif not path.is_file():
+        ds = load_dataset(args.dataset, split=split)
     else:
-        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(
-            dataset, split=split)
+        ds = load_dataset("json", data_files=str(path), split="train")
+        if any(getattr(args, f) for f in vars(args) if f.endswith("eval_split")):
+            if len(ds) < 2:
+                raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
+            parts = ds.train_test_split(test_size=0.1, seed=0)
+            if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
+                print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
+                      f"for evaluation, {len(parts['train'])} train; a folder of <split>.jsonl files chooses the splits")
+            ds = parts["test" if "eval" in flag else "train"]
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
-        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose "
-                         f"with {flags})")
+        raise ValueError(f"{option} {split}: no column {missing} (columns: {ds.column_names}); choose with "
+                         f"{column_flags}" + (f", or skip this split with {option} None" if "eval" in flag else ""))
     return ds
 
 
@@ -741,16 +750,20 @@ def check_local_or_hub(kind: str, name: str) -> bool:
     return False
 
 
-def check_data(dataset: str, splits: dict[str, Optional[Callable[[dict], Optional[str]]]]) -> None:
-    """Each split exists, each line is a JSON object that passes the split's row check, and there is one."""
-    if not check_local_or_hub("dataset", dataset):
+def check_data(args, problems: dict[str, Optional[Callable[[dict], Optional[str]]]]) -> None:
+    """The split of each flag in `problems` (unless None) exists, each line is a JSON object that passes the split's
+    row check, and there is one; missing splits are named together, with the flags that fix them."""
+    if not check_local_or_hub("dataset", args.dataset):
         return
-    path = Path(dataset).expanduser()
-    for split, problem in splits.items():
+    path, splits = Path(args.dataset).expanduser(), {f: getattr(args, f) for f in problems if getattr(args, f)}
+    have = sorted(f.stem for f in path.glob("*.jsonl")) if path.is_dir() else []
+    missing = {f: s for f, s in splits.items() if path.is_dir() and s not in have}
+    if missing:
+        fixes = [f"--{f.replace('_', '-')} {'None' if 'eval' in f else '|'.join(have) or '<split>'}" for f in missing]
+        raise ValueError(f"split not found: {path} has no {', '.join(s + '.jsonl' for s in missing.values())} (its "
+                         f"splits: {', '.join(have) or 'none'}): pass {' '.join(fixes)} (None skips an eval split)")
+    for flag, split in splits.items():
         file = path / f"{split}.jsonl" if path.is_dir() else path
-        if not file.exists():
-            have = sorted(f.stem for f in path.glob("*.jsonl"))
-            raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
         rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
         if not rows:
             raise ValueError(f"{file} is empty: it needs at least one JSON line")
@@ -760,9 +773,10 @@ def check_data(dataset: str, splits: dict[str, Optional[Callable[[dict], Optiona
             except json.JSONDecodeError as e:
                 raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
             wrong = f"expected a JSON object with named columns, got {type(row).__name__}" if not isinstance(
-                row, dict) else problem(row) if problem else None
+                row, dict) else problems[flag](row) if problems[flag] else None
             if wrong:
-                raise ValueError(f"{file}, line {i}: {wrong}")
+                raise ValueError(f"{file}, line {i}: {wrong}" + (f" (or skip this split: --{flag.replace('_', '-')} "
+                                                                 f"None)" if "eval" in flag else ""))
 
 
 def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
@@ -808,7 +822,9 @@ def resume_args(args, may_change: tuple[str, ...]):
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass runs/<run>/checkpoints/step_N")
+        found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass " + (
+            f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "runs/<run>/checkpoints/step_N"))
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
     out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
@@ -826,6 +842,10 @@ def resume_args(args, may_change: tuple[str, ...]):
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
+    step = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False, mmap=True)["step"]
+    if step >= out.total_steps:
+        raise ValueError(f"--resume {args.resume}: the run ended at this step (--total-steps {out.total_steps}), so "
+                         f"there is nothing to do; to train on, pass a larger --total-steps")
     return out, changed
 
 
@@ -965,8 +985,9 @@ class Run:
             print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
                   f"saving)", file=sys.stderr, flush=True)
 
-    def __exit__(self, kind, *exc):
-        signal.signal(signal.SIGINT, self.previous)
+    def __exit__(self, kind, *exc):  # after a Ctrl-C, or if started with SIGINT ignored (`&`), Ctrl-C quits at once
+        signal.signal(signal.SIGINT, signal.default_int_handler if self.stop or self.previous == signal.SIG_IGN
+                      else self.previous)
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
@@ -1023,9 +1044,22 @@ class Run:
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
-if __name__ == "__main__":
+def command_line(Args, main) -> None:
+    """`python <script>.py --flags`: main(the flags); bad input caught by the checks here as one line that names the
+    fix, not a traceback; a second Ctrl-C quits at once with code 130 (the last checkpoint written is intact)."""
     try:
         main(tyro.cli(Args))
-    except KeyboardInterrupt:  # the second Ctrl-C: quit at once; the last checkpoint written is intact
+    except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
+    except ValueError as e:
+        tb = e.__traceback__
+        while tb.tb_next:
+            tb = tb.tb_next
+        if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
+            raise  # raised inside a library, not by a check of this repository: the traceback says where
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    command_line(Args, main)

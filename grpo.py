@@ -519,7 +519,7 @@ def check_args(args: Args) -> int:
             import peft  # noqa: F401
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    check_data(args.dataset, {split: None for split in (args.dataset_split, args.eval_split) if split})
+    check_data(args, {"dataset_split": None, "eval_split": None})
     return micro
 
 
@@ -537,7 +537,7 @@ def main(args: Args) -> dict:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
-    train = load_split(args.dataset, args.dataset_split, [args.prompt_column, *columns.values()],
+    train = load_split(args, "dataset_split", [args.prompt_column, *columns.values()],
                        f"--prompt-column/--answer-column, or a --reward that does not need them; reward {args.reward!r}")
     raw_prompts = list(train[args.prompt_column])
     texts = prompt_texts(tokenizer, raw_prompts, args.use_chat_template, args.prompt_column)
@@ -549,7 +549,7 @@ def main(args: Args) -> dict:
             "columns": {name: list(train[col]) for name, col in columns.items()}}
     eval_prompts, eval_answers = [], []
     if args.eval_split:
-        ev = load_split(args.dataset, args.eval_split, [args.prompt_column, args.answer_column],
+        ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column],
                         "--prompt-column/--answer-column")
         n = min(len(ev), args.eval_limit)
         eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
@@ -718,18 +718,28 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
     return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
 
 
-def load_split(dataset: str, split: str, columns: list[str], flags: str):
-    """A split of a folder of `<split>.jsonl`, of a JSON-lines file, or of a hub dataset, with the columns needed."""
-    path = Path(dataset)
+def load_split(args, flag: str, columns: list[str], column_flags: str):
+    """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
+    single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none)."""
+    split, path, option = getattr(args, flag), Path(args.dataset), "--" + flag.replace("_", "-")
     if path.is_dir():
         ds = load_dataset("json", data_files={split: str(path / f"{split}.jsonl")}, split=split)
+    elif not path.is_file():
+        ds = load_dataset(args.dataset, split=split)
     else:
-        ds = load_dataset("json", data_files=str(path), split="train") if path.is_file() else load_dataset(
-            dataset, split=split)
+        ds = load_dataset("json", data_files=str(path), split="train")
+        if any(getattr(args, f) for f in vars(args) if f.endswith("eval_split")):
+            if len(ds) < 2:
+                raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
+            parts = ds.train_test_split(test_size=0.1, seed=0)
+            if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
+                print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
+                      f"for evaluation, {len(parts['train'])} train; a folder of <split>.jsonl files chooses the splits")
+            ds = parts["test" if "eval" in flag else "train"]
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
-        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose "
-                         f"with {flags})")
+        raise ValueError(f"{option} {split}: no column {missing} (columns: {ds.column_names}); choose with "
+                         f"{column_flags}" + (f", or skip this split with {option} None" if "eval" in flag else ""))
     return ds
 
 
@@ -756,16 +766,20 @@ def check_local_or_hub(kind: str, name: str) -> bool:
     return False
 
 
-def check_data(dataset: str, splits: dict[str, Optional[Callable[[dict], Optional[str]]]]) -> None:
-    """Each split exists, each line is a JSON object that passes the split's row check, and there is one."""
-    if not check_local_or_hub("dataset", dataset):
+def check_data(args, problems: dict[str, Optional[Callable[[dict], Optional[str]]]]) -> None:
+    """The split of each flag in `problems` (unless None) exists, each line is a JSON object that passes the split's
+    row check, and there is one; missing splits are named together, with the flags that fix them."""
+    if not check_local_or_hub("dataset", args.dataset):
         return
-    path = Path(dataset).expanduser()
-    for split, problem in splits.items():
+    path, splits = Path(args.dataset).expanduser(), {f: getattr(args, f) for f in problems if getattr(args, f)}
+    have = sorted(f.stem for f in path.glob("*.jsonl")) if path.is_dir() else []
+    missing = {f: s for f, s in splits.items() if path.is_dir() and s not in have}
+    if missing:
+        fixes = [f"--{f.replace('_', '-')} {'None' if 'eval' in f else '|'.join(have) or '<split>'}" for f in missing]
+        raise ValueError(f"split not found: {path} has no {', '.join(s + '.jsonl' for s in missing.values())} (its "
+                         f"splits: {', '.join(have) or 'none'}): pass {' '.join(fixes)} (None skips an eval split)")
+    for flag, split in splits.items():
         file = path / f"{split}.jsonl" if path.is_dir() else path
-        if not file.exists():
-            have = sorted(f.stem for f in path.glob("*.jsonl"))
-            raise ValueError(f"split '{split}' not found: {file} does not exist (splits in {path}: {have})")
         rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
         if not rows:
             raise ValueError(f"{file} is empty: it needs at least one JSON line")
@@ -775,9 +789,10 @@ def check_data(dataset: str, splits: dict[str, Optional[Callable[[dict], Optiona
             except json.JSONDecodeError as e:
                 raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
             wrong = f"expected a JSON object with named columns, got {type(row).__name__}" if not isinstance(
-                row, dict) else problem(row) if problem else None
+                row, dict) else problems[flag](row) if problems[flag] else None
             if wrong:
-                raise ValueError(f"{file}, line {i}: {wrong}")
+                raise ValueError(f"{file}, line {i}: {wrong}" + (f" (or skip this split: --{flag.replace('_', '-')} "
+                                                                 f"None)" if "eval" in flag else ""))
 
 
 def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
@@ -823,7 +838,9 @@ def resume_args(args, may_change: tuple[str, ...]):
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass runs/<run>/checkpoints/step_N")
+        found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass " + (
+            f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "runs/<run>/checkpoints/step_N"))
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
     out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
@@ -841,6 +858,10 @@ def resume_args(args, may_change: tuple[str, ...]):
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
+    step = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False, mmap=True)["step"]
+    if step >= out.total_steps:
+        raise ValueError(f"--resume {args.resume}: the run ended at this step (--total-steps {out.total_steps}), so "
+                         f"there is nothing to do; to train on, pass a larger --total-steps")
     return out, changed
 
 
@@ -980,8 +1001,9 @@ class Run:
             print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
                   f"saving)", file=sys.stderr, flush=True)
 
-    def __exit__(self, kind, *exc):
-        signal.signal(signal.SIGINT, self.previous)
+    def __exit__(self, kind, *exc):  # after a Ctrl-C, or if started with SIGINT ignored (`&`), Ctrl-C quits at once
+        signal.signal(signal.SIGINT, signal.default_int_handler if self.stop or self.previous == signal.SIG_IGN
+                      else self.previous)
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
@@ -1038,9 +1060,22 @@ class Run:
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
-if __name__ == "__main__":
+def command_line(Args, main) -> None:
+    """`python <script>.py --flags`: main(the flags); bad input caught by the checks here as one line that names the
+    fix, not a traceback; a second Ctrl-C quits at once with code 130 (the last checkpoint written is intact)."""
     try:
         main(tyro.cli(Args))
-    except KeyboardInterrupt:  # the second Ctrl-C: quit at once; the last checkpoint written is intact
+    except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
+    except ValueError as e:
+        tb = e.__traceback__
+        while tb.tb_next:
+            tb = tb.tb_next
+        if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
+            raise  # raised inside a library, not by a check of this repository: the traceback says where
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    command_line(Args, main)

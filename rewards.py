@@ -24,7 +24,7 @@ Spec grammar
                                 one reward; every other key is an option of that reward
     {"type": "weighted_sum", "components": [...], "normalize": true, "postprocess": [...]}
                                 components carry "weight"; normalize divides by sum(|weight|)
-    "path/to/spec.json"         any of the above, read from a JSON file
+    "path/to/spec.json"         any of the above, read from a JSON file (or given inline as JSON)
     {"REWARD": <any of the above>}   the specification's wrapper, unwrapped
   Type names are case-insensitive; `sts` is another name for cosine_sts (TYPE_ALIASES).
   Options need the dict (or JSON) form. A column reaches a reward only where the reward takes
@@ -1236,7 +1236,8 @@ def _weight(name: str, value) -> float:
         except ValueError:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"weight of {name!r} must be a finite number, got {value!r}")
+        raise ValueError(f"weight of {name!r} must be a finite number, got {value!r} (a string spec is "
+                         f"name:weight,... e.g. 'correctness:1.0,format:0.1'; options need JSON)")
     return float(value)
 
 
@@ -1263,6 +1264,11 @@ def _normalize_spec(spec) -> dict:
             return _normalize_spec(json.loads(path.read_text()))
         except json.JSONDecodeError as e:
             raise ValueError(f"reward spec file {str(path)!r} is not valid JSON: {e}") from None
+    if isinstance(spec, str) and spec.strip()[:1] in ("{", "["):  # inline JSON, as a spec file holds
+        try:
+            return _normalize_spec(json.loads(spec))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"reward spec {spec!r} starts like JSON but is not valid JSON: {e}") from None
     if isinstance(spec, str):
         parts = [p for p in spec.split(",") if p.strip()]
         if len(parts) == 1 and ":" not in parts[0]:
@@ -1332,7 +1338,9 @@ def _build(node: dict, names: set[str], is_root: bool) -> Reward:
         return Reward(name, spec, components=children, normalize=normalize, postprocess=postprocess)
     if kind not in REGISTRY:
         hint = (" (a postprocessor: list it under 'postprocess' of a component)" if kind in POSTPROCESSORS else
-                " (a spec file name must end in .json)" if isinstance(kind, str) and "/" in kind else "")
+                " (a spec file name must end in .json)" if isinstance(kind, str) and "/" in kind else
+                " (a weight is written name:weight, e.g. 'correctness:1.0')" if isinstance(kind, str) and "=" in kind
+                else "")
         raise ValueError(f"unknown reward type {kind!r}{hint}; valid types: {_valid_types()}")
     if "weight" in node and is_root:
         raise ValueError(f"weight of {name!r} only applies inside a weighted_sum; use 'postprocess': "

@@ -97,15 +97,22 @@ def test_resume_equals_straight_run(tiny, tmp_path, script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resume_takes_cadence_flags_and_refuses_the_rest(tiny, tmp_path, script):
     m = module(script)
-    first = m.main(tiny_args(script, tiny, tmp_path, save_every=1, total_steps=1, eval_split=None))
-    ckpt = str(Path(first["run_dir"]) / "checkpoints" / "step_1")
+    first = m.main(tiny_args(script, tiny, tmp_path, save_every=1, eval_split=None))  # 2 steps
+    run = Path(first["run_dir"])
+    ckpt = str(run / "checkpoints" / "step_1")
     with pytest.raises(ValueError, match=r"--learning-rate 0.5 differs from the run's .*cannot change on resume"):
         m.main(m.Args(resume=ckpt, learning_rate=0.5))
-    with pytest.raises(ValueError, match=r"no trainer_state.pt there"):
+    with pytest.raises(ValueError, match=r"no trainer_state.pt there; pass runs/<run>/checkpoints/step_N"):
         m.main(m.Args(resume=str(tmp_path)))
+    with pytest.raises(ValueError, match=rf"pass one of this run's checkpoints: {run}/checkpoints/step_1, {run}/check"):
+        m.main(m.Args(resume=str(run)))  # the run folder: its checkpoints are listed
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    with pytest.raises(ValueError, match=r"the run ended at this step \(--total-steps 2\), so there is nothing to do"):
+        m.main(m.Args(resume=str(run / "checkpoints" / "step_2")))
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before  # a finished run is left untouched
     out = m.main(m.Args(resume=ckpt, eval_limit=3))
-    assert out["step"] == 1
-    saved = json.loads((Path(first["run_dir"]) / "args.json").read_text())
+    assert out["step"] == 2
+    saved = json.loads((run / "args.json").read_text())
     assert saved["eval_limit"] == TINY[script]["eval_limit"] and saved["resumed"][-1]["overrides"] == {
         "eval_limit": [TINY[script]["eval_limit"], 3]}
 
@@ -214,3 +221,82 @@ def test_track_without_a_wandb_login_fails_first(tiny, tmp_path, monkeypatch):
             assert not (tmp_path / "out").exists()
     finally:
         wandb.teardown()
+
+
+def one_file(tiny, path: Path) -> Path:
+    """The tiny task as one .jsonl file with every script's columns: prompt, answer, completion, chosen, rejected."""
+    train, sft = ([json.loads(r) for r in (tiny / "data" / f"{s}.jsonl").read_text().splitlines()]
+                  for s in ("train", "sft"))
+    rows = [{**t, "completion": c["completion"], "chosen": c["completion"], "rejected": c["completion"] + " 0"}
+            for t, c in zip(train, sft)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_single_file_holds_out_a_fixed_seeded_tenth_never_the_training_rows(tiny, tmp_path, capsys):
+    m, file = module("grpo"), one_file(tiny, tmp_path / "mine.jsonl")
+    args = tiny_args("grpo", tiny, tmp_path, dataset=str(file))
+    train, held = (m.load_split(args, f, ["prompt", "answer"], "--prompt-column") for f in ("dataset_split", "eval_split"))
+    assert "mine.jsonl is one file: 10 of its 96 rows (a fixed seeded 10%) are held out" in capsys.readouterr().out
+    key = lambda ds: {(r["prompt"], r["answer"]) for r in ds}  # noqa: E731
+    assert len(train) == 86 and len(held) == 10 and not key(train) & key(held) and len(key(train) | key(held)) == 96
+    again = m.load_split(replace(args, seed=7), "eval_split", ["prompt", "answer"], "--prompt-column")
+    assert list(again["prompt"]) == list(held["prompt"])  # the same rows for every run and seed
+    everything = m.load_split(replace(args, eval_split=None), "dataset_split", ["prompt"], "--prompt-column")
+    assert len(everything) == 96  # nothing held out when nothing is evaluated
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_trains_on_a_single_file_and_evaluates_on_its_held_out_tenth(tiny, tmp_path, script, capsys):
+    file = one_file(tiny, tmp_path / "mine.jsonl")
+    extra = {"sft_split": "x"} if script == "hybrid" else {}  # a folder's split name: ignored for a file
+    out = module(script).main(tiny_args(script, tiny, tmp_path / "out", dataset=str(file), total_steps=1, **extra))
+    assert "is one file: 10 of its 96 rows" in capsys.readouterr().out and out["step"] == 1
+
+
+@pytest.mark.parametrize("script", ["dpo", "reward_model", "grpo"])
+def test_missing_splits_are_named_together_with_the_flags_that_fix_them(tiny, tmp_path, script):
+    data = tmp_path / "data"
+    data.mkdir()
+    one_file(tiny, data / "train.jsonl")
+    args = module(script).Args(dataset=str(data), model_name_or_path=str(tiny / "model"), output_dir=str(tmp_path))
+    evals = [f for f in vars(args) if f.endswith("eval_split") and getattr(args, f)]
+    with pytest.raises(ValueError) as e:
+        module(script).main(args)
+    fixes = [f"--{f.replace('_', '-')} None" for f in evals]
+    if args.dataset_split != "train":
+        fixes.append("--dataset-split train")
+    assert str(e.value).startswith("split not found: ") and all(fix in str(e.value) for fix in fixes), str(e.value)
+    flags = {"dataset_split": "train", **dict.fromkeys(evals, None)}
+    assert module(script).main(tiny_args(script, tiny, tmp_path / "out", dataset=str(data), total_steps=1, **flags))
+
+
+def test_an_eval_split_without_the_columns_names_the_column_flags_and_none(tiny, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny / "data", data)
+    (data / "test.jsonl").write_text('{"prompt": "1+1=", "solution": "2"}\n')
+    with pytest.raises(ValueError, match=r"--eval-split test: no column \['answer'\] .* or skip this split with "
+                                         r"--eval-split None"):
+        module("grpo").main(tiny_args("grpo", tiny, tmp_path / "out", dataset=str(data)))
+
+
+def test_bad_input_on_the_command_line_is_one_line_not_a_traceback(tiny, tmp_path):
+    import subprocess
+
+    done = subprocess.run(cli("grpo", tiny, tmp_path, total_steps=0), capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1 and done.stderr == "error: --total-steps must be positive, got 0\n", done.stderr
+
+
+def test_after_a_ctrl_c_a_second_quits_even_if_the_run_started_with_sigint_ignored(tiny, tmp_path):
+    """A shell starts background jobs (`python grpo.py &`) with SIGINT ignored; the handler the run leaves behind after
+    the first Ctrl-C must not put that back, or a second Ctrl-C during the final save would be ignored."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        run = module("grpo").Run(tiny_args("grpo", tiny, tmp_path), {}, ())
+        with run:
+            run.interrupt(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

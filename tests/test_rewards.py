@@ -249,6 +249,8 @@ def test_spec_forms_agree(spec, tmp_path):
     assert score(str(path), COMPLETIONS, answer=ANSWERS) == pytest.approx(expected)
     assert score(path, COMPLETIONS, answer=ANSWERS) == pytest.approx(expected)
     assert score(make_reward(spec).spec, COMPLETIONS, answer=ANSWERS) == pytest.approx(expected)  # spec round trip
+    if not isinstance(spec, str):  # inline JSON, as --reward '{"correctness": 1, ...}' passes it
+        assert score(json.dumps(spec), COMPLETIONS, answer=ANSWERS) == pytest.approx(expected)
 
 
 def test_normalized_nested_sum_and_postprocessors():
@@ -369,6 +371,9 @@ def test_bad_component_output(spec, message):
     ("missing/spec.json", r"reward spec file 'missing/spec.json' does not exist"),
     ("data/rewards/x", r"a spec file name must end in \.json"),
     (42, r"a reward spec is a string, a dict, a list or a JSON file path, got int"),
+    ("correctness=1.0", r"unknown reward type 'correctness=1.0' \(a weight is written name:weight, e.g."),
+    ("correctness:high", r"weight of 'correctness' must be a finite number, got 'high' \(a string spec is name:weight"),
+    ('{"type": "correctness", wrong: -1}', r"starts like JSON but is not valid JSON: Expecting property name"),
     ({"type": "reward_model"}, r"option model must be a local path or a hub id"),
     ({"type": "reward_model", "model": "./no/such/dir"}, r"model path './no/such/dir' does not exist"),
     ({"type": "sentiment", "device": "gpu"}, r"option device='gpu'"),
