@@ -1102,8 +1102,8 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             ds = parts["test" if "eval" in flag else "train"]
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
-        raise ValueError(f"{option} {split}: no column {missing} (columns: {ds.column_names}); choose with "
-                         f"{column_flags}" + (f", or skip this split with {option} None" if "eval" in flag else ""))
+        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
+                         f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
     return ds
 
 

@@ -337,7 +337,7 @@ def test_bad_pairs_fail_before_any_work(tiny, tmp_path, rows, message):
     ({"beta": -0.1}, "--beta must be > 0, got -0.1"),
     ({"rpo_alpha": -1.0}, "--rpo-alpha >= 0"),
     ({"batch_size": 6, "micro_batch_size": 4}, "use --micro-batch-size 3"),
-    ({"pref_eval_split": "nope"}, "split 'nope' not found"),
+    ({"pref_eval_split": "nope"}, "has no nope.jsonl"),
     ({"pref_eval_limit": -1}, "--pref-eval-limit must be >= 0"),
 ])
 def test_bad_flags_fail_before_any_work(tiny, tmp_path, overrides, message):
@@ -361,8 +361,9 @@ def test_loaded_pairs_are_checked_too(tiny, tmp_path):
     data = write_pairs(tmp_path / "data", [GOOD, {**GOOD, "rejected": GOOD["chosen"]}])
     tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
     with pytest.raises(ValueError, match=r"split 'prefs', row 2: chosen and rejected completions are identical"):
-        dpo.load_pairs(tokenizer, tiny_args(tiny, tmp_path, dataset=str(data)), "prefs")
-    pairs = dpo.load_pairs(tokenizer, tiny_args(tiny, tmp_path, dataset=str(data), max_completion_length=3), "prefs", 1)
+        dpo.load_pairs(tokenizer, tiny_args(tiny, tmp_path, dataset=str(data)), "dataset_split")
+    pairs = dpo.load_pairs(tokenizer, tiny_args(tiny, tmp_path, dataset=str(data), max_completion_length=3),
+                           "dataset_split", 1)
     assert len(pairs) == 1 and len(pairs[0][1]) == 3 and pairs[0][1] != pairs[0][2]  # cut to 3 tokens, EOS lost
 
 

@@ -403,7 +403,7 @@ def test_resume_restores_the_value_head_and_the_kl_controller_and_refuses_total_
     ({"lr_scheduler": "warmup"}, "unknown lr scheduler 'warmup'"),
     ({"sft_batch_size": 6, "micro_batch_size": 4}, "--sft-batch-size = 6 is not divisible by --micro-batch-size 4: use --micro-batch-size 3"),
     ({"reward": "correctness,bogus"}, "unknown reward type 'bogus'"),
-    ({"sft_split": "nope"}, "split 'nope' not found"),
+    ({"sft_split": "nope"}, "has no nope.jsonl"),
     ({"value_head_lr": 0.0}, "--value-head-lr must be positive"),
     ({"kl_controller": "adaptive"}, "--kl-controller adaptive steers beta towards a KL target and needs a positive"),
     ({"prompts_per_step": 4, "num_mini_batches": 3}, "--prompts-per-step x --num-generations = 4 is not divisible by "

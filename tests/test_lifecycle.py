@@ -275,8 +275,8 @@ def test_an_eval_split_without_the_columns_names_the_column_flags_and_none(tiny,
     data = tmp_path / "data"
     shutil.copytree(tiny / "data", data)
     (data / "test.jsonl").write_text('{"prompt": "1+1=", "solution": "2"}\n')
-    with pytest.raises(ValueError, match=r"--eval-split test: no column \['answer'\] .* or skip this split with "
-                                         r"--eval-split None"):
+    with pytest.raises(ValueError, match=r"split 'test' has no column \['answer'\].* or skip this split with "
+                                         r"--eval-split None\)"):
         module("grpo").main(tiny_args("grpo", tiny, tmp_path / "out", dataset=str(data)))
 
 
