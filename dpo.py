@@ -282,12 +282,13 @@ def pack_pairs(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int)
         the rejected ones, and an entry of the shared part belongs to both."""
     width = max(len(p) + len(c) + len(r) - shared_prefix(c, r) for p, c, r in pairs)
     ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
-    split, shared, columns, targets, owners = [], [], [], [], []
+    split, shared, length, columns, targets, owners = [], [], [], [], [], []
     for b, (p, c, r) in enumerate(pairs):
         n = shared_prefix(c, r)
         ids[b, : len(p) + len(c) + len(r) - n] = torch.tensor(p + c + r[n:])
         split.append(len(p) + len(c))
         shared.append(len(p) + n)
+        length.append(len(p) + len(c) + len(r) - n)
         for j, token in enumerate(c):  # chosen token j is predicted at column len(p) + j - 1
             owners += [(b, len(columns))] + [(len(pairs) + b, len(columns))] * (j < n)
             columns.append(b * width + len(p) + j - 1)
@@ -297,9 +298,9 @@ def pack_pairs(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int)
             columns.append(b * width + (len(p) + n - 1 if j == n else len(p) + len(c) + j - n - 1))
             targets.append(r[j])
     col = torch.arange(width)
-    split, shared = torch.tensor(split)[:, None], torch.tensor(shared)[:, None]
+    split, shared, length = (torch.tensor(x)[:, None] for x in (split, shared, length))
     tail = col >= split  # [B, T]: the rejected tail (and the padding after it)
-    position_ids = torch.where(tail, col - split + shared, col)
+    position_ids = torch.where(tail, col - split + shared, col).masked_fill(col >= length, 0)  # padding: in range
     query, key = col[None, :, None], col[None, None, :]
     allowed = (key <= query) & ~(tail[:, :, None] & (key >= shared[:, :, None]) & (key < split[:, :, None]))
     return ids, allowed, position_ids, torch.tensor(columns), torch.tensor(targets), torch.tensor(owners).T
@@ -546,7 +547,7 @@ def main(args: Args) -> dict:
     #    (frozen), the policy with its adapters disabled (LoRA), precomputed (no second model), or none (SimPO).
     weights_dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = load_model(args.model_name_or_path, weights_dtype, device)
-    eos_ids = sorted({tokenizer.eos_token_id} | set(np.atleast_1d(model.generation_config.eos_token_id or []).tolist()))
+    eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model, uses_ref = None, args.loss_type != "simpo"
@@ -702,6 +703,26 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
     return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
 
 
+CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)
+
+
+def own_generation_config(model, tokenizer) -> list[int]:
+    """Sampling and greedy evaluation follow this script's flags alone: of the checkpoint's generation_config only the
+    special tokens are kept (transformers fills every field a script leaves unset from it, e.g. a repetition_penalty,
+    and the sampler would no longer be softmax(logits / T)); the fields dropped are named once. -> the EOS ids."""
+    old, kept = model.generation_config, ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
+                                          "_from_model_config", "use_cache", "output_attentions", "output_hidden_states")
+    eos = sorted({tokenizer.eos_token_id} | set(np.atleast_1d(old.eos_token_id or []).tolist()))
+    dropped = [f"{k}={v}" for k, v in old.to_diff_dict().items() if k not in kept]
+    model.generation_config = type(old)(bos_token_id=old.bos_token_id, eos_token_id=eos,
+                                        pad_token_id=tokenizer.pad_token_id)
+    CHECKPOINT_GENERATION_CONFIG["policy"] = old  # what save_pretrained writes: final/ keeps the checkpoint's own
+    if dropped and int(os.environ.get("RANK", 0)) == 0:
+        print(f"{model.name_or_path}: its generation_config sets {', '.join(dropped)}; not used: this script's flags "
+              f"decide sampling and evaluation")
+    return eos
+
+
 def load_split(args, flag: str, columns: list[str], column_flags: str):
     """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
     single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none)."""
@@ -789,9 +810,9 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         raise ValueError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU here: use --device cpu (or auto)")
-    if args.dtype == "float16" and (args.device == "cpu" or not torch.cuda.is_available()):
-        raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
-                         "(or bfloat16) on CPU; float16 is for GPUs")
+    if args.dtype == "float16":
+        raise ValueError("--dtype float16 trains to inf/nan within a step or two (float16 weights and AdamW moments, "
+                         "no loss scaling): use --dtype bfloat16, or auto (float32 weights, bfloat16 autocast on CUDA)")
     for name in model_paths:
         path = Path(name).expanduser()
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
@@ -854,6 +875,8 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None) 
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    if (tmp / "generation_config.json").exists() and "policy" in CHECKPOINT_GENERATION_CONFIG:
+        CHECKPOINT_GENERATION_CONFIG["policy"].save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if state is not None:
         torch.save(state, tmp / "trainer_state.pt")

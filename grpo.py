@@ -509,8 +509,12 @@ def check_args(args: Args) -> int:
     micro = fit_micro_batch(args.micro_batch_size, args.prompts_per_step // world * args.num_generations,
                             f"each process's completions (--prompts-per-step / {world} processes x --num-generations)"
                             if world > 1 else "--prompts-per-step x --num-generations")
-    if not (args.temperature > 0 and 0 < args.top_p <= 1):
-        raise ValueError(f"need --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
+    if not args.temperature > 0:
+        raise ValueError(f"need --temperature > 0, got {args.temperature}")
+    if args.top_p != 1 or args.top_k:  # refused rather than silently off-policy
+        raise ValueError(f"--top-p {args.top_p} --top-k {args.top_k}: the trainer's log-probs are of the full "
+                         f"softmax(logits / T), not of a truncated one, so the update would be off-policy; use "
+                         f"--top-p 1 --top-k 0")
     if args.beta < 0 or not (0 <= args.clip_low <= 1) or args.clip_high < 0:
         raise ValueError(f"need --beta >= 0, 0 <= --clip-low <= 1 and --clip-high >= 0, got {args.beta}, "
                          f"{args.clip_low}, {args.clip_high}")
@@ -561,7 +565,7 @@ def main(args: Args) -> dict:
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    eos_ids = sorted({tokenizer.eos_token_id} | set(np.atleast_1d(model.generation_config.eos_token_id or []).tolist()))
+    eos_ids = own_generation_config(model, tokenizer)
     eos_tensor = torch.tensor(eos_ids, device=device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -718,6 +722,26 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
     return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
 
 
+CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)
+
+
+def own_generation_config(model, tokenizer) -> list[int]:
+    """Sampling and greedy evaluation follow this script's flags alone: of the checkpoint's generation_config only the
+    special tokens are kept (transformers fills every field a script leaves unset from it, e.g. a repetition_penalty,
+    and the sampler would no longer be softmax(logits / T)); the fields dropped are named once. -> the EOS ids."""
+    old, kept = model.generation_config, ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
+                                          "_from_model_config", "use_cache", "output_attentions", "output_hidden_states")
+    eos = sorted({tokenizer.eos_token_id} | set(np.atleast_1d(old.eos_token_id or []).tolist()))
+    dropped = [f"{k}={v}" for k, v in old.to_diff_dict().items() if k not in kept]
+    model.generation_config = type(old)(bos_token_id=old.bos_token_id, eos_token_id=eos,
+                                        pad_token_id=tokenizer.pad_token_id)
+    CHECKPOINT_GENERATION_CONFIG["policy"] = old  # what save_pretrained writes: final/ keeps the checkpoint's own
+    if dropped and int(os.environ.get("RANK", 0)) == 0:
+        print(f"{model.name_or_path}: its generation_config sets {', '.join(dropped)}; not used: this script's flags "
+              f"decide sampling and evaluation")
+    return eos
+
+
 def load_split(args, flag: str, columns: list[str], column_flags: str):
     """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
     single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none)."""
@@ -805,9 +829,9 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         raise ValueError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU here: use --device cpu (or auto)")
-    if args.dtype == "float16" and (args.device == "cpu" or not torch.cuda.is_available()):
-        raise ValueError("--dtype float16 on CPU overflows to inf/nan within a step or two: use --dtype float32 "
-                         "(or bfloat16) on CPU; float16 is for GPUs")
+    if args.dtype == "float16":
+        raise ValueError("--dtype float16 trains to inf/nan within a step or two (float16 weights and AdamW moments, "
+                         "no loss scaling): use --dtype bfloat16, or auto (float32 weights, bfloat16 autocast on CUDA)")
     for name in model_paths:
         path = Path(name).expanduser()
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
@@ -870,6 +894,8 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None) 
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    if (tmp / "generation_config.json").exists() and "policy" in CHECKPOINT_GENERATION_CONFIG:
+        CHECKPOINT_GENERATION_CONFIG["policy"].save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if state is not None:
         torch.save(state, tmp / "trainer_state.pt")

@@ -374,3 +374,17 @@ def test_trl_benchmark_without_trl_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl now raises ImportError
     with pytest.raises(SystemExit, match=r"pip install trl"):
         dpo_vs_trl.main(dpo_vs_trl.Args())
+
+
+def test_packed_padding_keeps_position_ids_within_a_learned_position_table():
+    """GPT-2 with 12 positions: every prompt + completion fits, and so must the packed rows' padding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=12)).eval()
+    pairs = [([5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 1], [20, 21, 22, 23, 24, 25, 26, 27, 1]), ([4], [12, 1], [13, 1])]
+    batch = dpo.pack_pairs(pairs, pad_id=0)
+    assert int(batch[2].max()) < 12
+    with torch.no_grad():
+        got = dpo.packed_logprobs(model, *batch)
+    rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
+    assert got.double().tolist() == pytest.approx(reference_sums(model, rows), abs=1e-5)

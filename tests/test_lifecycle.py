@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interrupt_at_step_2, interrupted_run, run_torchrun, train_rows
+from conftest import interrupt_at_step_2, interrupted_run, read_metrics, run_torchrun, train_rows
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +156,8 @@ def test_the_end_of_a_run_says_what_it_reached_and_where_final_is(tiny, tmp_path
 BAD = [
     ({"device": "cuda"}, "torch sees no CUDA GPU"),
     ({"device": "tpu"}, "--device tpu: use auto, cpu, cuda or cuda:N"),
-    ({"dtype": "float16", "device": "cpu"}, "--dtype float16 on CPU"),
+    ({"dtype": "float16", "device": "cpu"}, "--dtype float16 trains to inf/nan"),
+    ({"dtype": "float16"}, "use --dtype bfloat16, or auto"),
     ({"model_name_or_path": "models/nope"}, "model 'models/nope' does not exist"),
     ({"model_name_or_path": "data"}, "'data' is not a model folder: it has no config.json"),
     ({"dataset": "data/nope"}, "dataset 'data/nope' does not exist"),
@@ -300,3 +301,35 @@ def test_after_a_ctrl_c_a_second_quits_even_if_the_run_started_with_sigint_ignor
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo", "dpo", "hybrid", "sft"])
+def test_the_checkpoints_generation_config_does_not_leak_into_sampling_or_evaluation(tiny, tmp_path, script, capsys):
+    """Instruct checkpoints ship generation fields (repetition_penalty, ...) that transformers would apply to every
+    generate() call; here one that suppresses the ten digits, which would make every greedy answer wrong."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "models" / "tiny-arith", model)
+    digits = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(list("0123456789"))
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "suppress_tokens": digits,
+                                                              "repetition_penalty": 1.3}))
+    lengths = {k: getattr(module(script).Args(), k) for k in ("max_completion_length", "max_new_tokens")
+               if k in TINY[script]}  # the defaults: long enough for the embedded model's answers
+    out = module(script).main(tiny_args(script, tiny, tmp_path / "out", model_name_or_path=str(model), total_steps=1,
+                                        dataset=str(ROOT / "data" / "arith"), eval_limit=16, **lengths))
+    assert "its generation_config sets repetition_penalty=1.3, suppress_tokens=" in capsys.readouterr().out
+    start = next(r for r in read_metrics(out["run_dir"]) if "eval/accuracy" in r)
+    assert start["step"] == 0 and start["eval/accuracy"] > 0.1  # 0.0 when the digits are suppressed
+    saved = json.loads((Path(out["run_dir"]) / "final" / "generation_config.json").read_text())
+    assert saved["suppress_tokens"] == digits  # final/ keeps the checkpoint's own settings for inference
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo", "hybrid"])
+@pytest.mark.parametrize("change", [{"top_p": 0.9}, {"top_k": 20}])
+def test_truncated_sampling_is_refused_since_the_log_probs_are_of_the_full_softmax(tiny, tmp_path, script, change):
+    with pytest.raises(ValueError, match=r"the trainer's log-probs are of the full softmax\(logits / T\).* use --top-p 1 "
+                                         r"--top-k 0"):
+        module(script).main(tiny_args(script, tiny, tmp_path / "out", **change))
+    assert not (tmp_path / "out").exists()

@@ -353,3 +353,18 @@ def test_reward_refuses_a_causal_lm_from_the_hub_at_first_use(tiny, monkeypatch)
     reward = make_reward({"type": "reward_model", "model": "some-org/some-causal-lm", "device": "cpu"})
     with pytest.raises(ValueError, match=r"'some-org/some-causal-lm' is a Qwen2ForCausalLM checkpoint, not a sequence"):
         reward(["<answer>2</answer>"], prompts=["1+1="])
+
+
+def test_packed_padding_keeps_position_ids_within_a_learned_position_table(tiny):
+    """GPT-2 with 8 positions: each text fits, and so must the packed rows' padding (it once got positions past the
+    table, an IndexError on CPU and a device assert on CUDA)."""
+    model = GPT2ForSequenceClassification(GPT2Config(vocab_size=103, n_embd=32, n_layer=2, n_head=2, n_positions=8,
+                                                     pad_token_id=0, eos_token_id=1, num_labels=1)).eval()
+    pairs = [([5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27], 0.0), ([5, 6], [5, 7], 0.0)]
+    ids, allowed, position_ids, ends, _ = rm.pack_pairs(pairs, pad_id=0)
+    assert int(position_ids.max()) < 8
+    with torch.no_grad():
+        packed = rm.PairScorer(model, packed=True)(ids, allowed, position_ids, ends)
+        alone = torch.tensor([[model.score(model.base_model(input_ids=torch.tensor([t])).last_hidden_state[0, -1])[0]
+                               for t in (c, r)] for c, r, _ in pairs])
+    assert torch.allclose(packed, alone, atol=1e-5)
