@@ -209,13 +209,13 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     input_ids, attention_mask, completion_mask: [B, T], right-padded prompt + completion; completion_mask is 1 on
     completion tokens -> [B] float32. Hidden state t predicts token t + 1; only the positions that predict a
-    completion token go through the lm_head (kernels.linear_token_logprobs). Assumes logits = hidden @
-    lm_head.weight.T (Llama, Qwen, Mistral, GPT-2 ...; not models with logit soft-capping or an lm_head bias).
+    completion token go through the lm_head (kernels.linear_token_logprobs, with the head's bias, logit scale
+    and soft-capping: lm_head).
     """
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     predicts = completion_mask[:, 1:].bool()
-    weight = model.get_output_embeddings().weight
-    logp = linear_token_logprobs(hidden[:, :-1][predicts], weight.to(hidden.dtype), input_ids[:, 1:][predicts])
+    logp = linear_token_logprobs(hidden[:, :-1][predicts], targets=input_ids[:, 1:][predicts],
+                                 **lm_head(model, hidden.dtype))
     rows = predicts.nonzero()[:, 0]
     return torch.zeros(input_ids.shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
 
@@ -232,8 +232,7 @@ def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, o
             ~allowed[:, None], torch.finfo(dtype).min)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
-    weight = model.get_output_embeddings().weight
-    logp = linear_token_logprobs(hidden.flatten(0, 1)[columns], weight.to(hidden.dtype), targets)
+    logp = linear_token_logprobs(hidden.flatten(0, 1)[columns], targets=targets, **lm_head(model, hidden.dtype))
     return torch.zeros(2 * input_ids.shape[0], dtype=logp.dtype, device=logp.device).index_add(
         0, owners[0], logp[owners[1]])
 
@@ -701,6 +700,15 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
         samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
     model.train()
     return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
+
+
+def lm_head(model, dtype: torch.dtype) -> dict:
+    """The output head as kernels.linear_token_logprobs takes it: its weight and bias, and the logit scale (Cohere;
+    Granite divides) and final soft-capping (Gemma 2, 3) of the config, so log-probs are of the model's own logits."""
+    head, config, bias = model.get_output_embeddings(), model.config, getattr(model.get_output_embeddings(), "bias", None)
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    return {"weight": head.weight.to(dtype), "bias": None if bias is None else bias.to(dtype),
+            "logit_scale": None if scale == 1.0 else scale, "softcap": getattr(config, "final_logit_softcapping", None)}
 
 
 CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)

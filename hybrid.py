@@ -477,15 +477,14 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
     input_ids, attention_mask: [B, Tp + Tc], prompts left-padded to Tp, then the completions
     -> logp [B, Tc] float32 (, entropy [B, Tc]). Hidden state t predicts token t + 1. Positions count
-    real tokens only, as `generate` does with left padding. Assumes logits = hidden @ lm_head.weight.T
-    (Llama, Qwen, Mistral, GPT-2 ...; not models with logit soft-capping or an lm_head bias).
+    real tokens only, as `generate` does with left padding. The head's bias, logit scale (Cohere) and
+    soft-capping (Gemma 2) are applied (lm_head).
     """
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
-    weight = model.get_output_embeddings().weight
-    return linear_token_logprobs(hidden[:, prompt_width - 1 : -1], weight.to(hidden.dtype), input_ids[:, prompt_width:],
-                                 temperature=temperature, with_entropy=with_entropy)
+    return linear_token_logprobs(hidden[:, prompt_width - 1 : -1], targets=input_ids[:, prompt_width:],
+                                 temperature=temperature, with_entropy=with_entropy, **lm_head(model, hidden.dtype))
 
 
 def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
@@ -533,9 +532,8 @@ class ActorCritic(torch.nn.Module):
         hidden = self.policy.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, use_cache=False).last_hidden_state
         hidden = hidden[:, prompt_width - 1 : -1]
-        weight = self.policy.get_output_embeddings().weight
-        logp, entropy = linear_token_logprobs(hidden, weight.to(hidden.dtype), input_ids[:, prompt_width:],
-                                              temperature=temperature, with_entropy=True)
+        logp, entropy = linear_token_logprobs(hidden, targets=input_ids[:, prompt_width:], temperature=temperature,
+                                              with_entropy=True, **lm_head(self.policy, hidden.dtype))
         return logp, entropy, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     def save_pretrained(self, path, **kwargs) -> None:
@@ -1084,6 +1082,15 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
         samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
     model.train()
     return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
+
+
+def lm_head(model, dtype: torch.dtype) -> dict:
+    """The output head as kernels.linear_token_logprobs takes it: its weight and bias, and the logit scale (Cohere;
+    Granite divides) and final soft-capping (Gemma 2, 3) of the config, so log-probs are of the model's own logits."""
+    head, config, bias = model.get_output_embeddings(), model.config, getattr(model.get_output_embeddings(), "bias", None)
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    return {"weight": head.weight.to(dtype), "bias": None if bias is None else bias.to(dtype),
+            "logit_scale": None if scale == 1.0 else scale, "softcap": getattr(config, "final_logit_softcapping", None)}
 
 
 CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)

@@ -405,6 +405,15 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
     return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
 
 
+def lm_head(model, dtype: torch.dtype) -> dict:
+    """The output head as kernels.linear_token_logprobs takes it: its weight and bias, and the logit scale (Cohere;
+    Granite divides) and final soft-capping (Gemma 2, 3) of the config, so log-probs are of the model's own logits."""
+    head, config, bias = model.get_output_embeddings(), model.config, getattr(model.get_output_embeddings(), "bias", None)
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    return {"weight": head.weight.to(dtype), "bias": None if bias is None else bias.to(dtype),
+            "logit_scale": None if scale == 1.0 else scale, "softcap": getattr(config, "final_logit_softcapping", None)}
+
+
 CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)
 
 

@@ -170,14 +170,27 @@ def _row_views(logits: torch.Tensor) -> list[torch.Tensor]:
 
 
 def linear_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False,
+    bias: torch.Tensor | None = None, logit_scale: float | None = None, softcap: float | None = None,
 ):
     """token_logprobs(hidden @ weight.T, targets, ...) without ever holding the [N, V] logits.
 
     hidden: [..., H], weight: [V, H] (lm_head.weight, same dtype and device), targets: [...]
     -> logp [...] float32 (, entropy [...]). Differentiable w.r.t. hidden and weight; the gradients
     are accumulated in float32 and returned in the inputs' dtype.
+    The heads that are not a plain matmul: `bias` [V] (an lm_head bias) and `logit_scale` (Cohere's
+    logits = scale * hidden @ weight.T) stay fused, as one more hidden unit fixed at 1 and a scaled
+    hidden; `softcap` (Gemma 2's logits = c * tanh(hidden @ weight.T / c)) is not fused: its logits
+    are made whole, then token_logprobs.
     """
+    if bias is not None:
+        hidden = torch.cat([hidden, torch.ones_like(hidden[..., :1])], dim=-1)
+        weight = torch.cat([weight, bias.to(weight.dtype)[:, None]], dim=1)
+    if logit_scale is not None:
+        hidden = hidden * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh((hidden @ weight.T).float() / softcap)
+        return token_logprobs(logits, targets, temperature=temperature, with_entropy=with_entropy)
     _check_float("hidden", hidden)
     _check_float("weight", weight)
     if weight.dim() != 2 or hidden.dim() == 0 or weight.shape[1] != hidden.shape[-1]:

@@ -354,3 +354,39 @@ def test_step_profile_benchmark_runs():
     assert {"generate", "score", "train", "step", "`generate`, wall", "matmul (mm, addmm)"} <= set(rows)
     policy, reference = float(rows["policy forward + backward"][1]), float(rows["reference forward"][1])
     assert reference > 0 and 2.5 < policy / reference < 3.5
+
+
+def head_models():
+    """Tiny causal LMs whose logits are not hidden @ lm_head.weight.T."""
+    from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GraniteConfig,
+                              GraniteForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    size = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    biased = Qwen2ForCausalLM(Qwen2Config(**size, tie_word_embeddings=False))
+    biased.lm_head = torch.nn.Linear(32, 64, bias=True)
+    return {"gemma2 soft-capping": Gemma2ForCausalLM(Gemma2Config(**size, head_dim=16, final_logit_softcapping=0.5)),
+            "cohere logit_scale": CohereForCausalLM(CohereConfig(**size, logit_scale=4.0)),
+            "granite logits_scaling": GraniteForCausalLM(GraniteConfig(**size, logits_scaling=0.25)),
+            "lm_head bias": biased}
+
+
+@pytest.mark.parametrize("name", ["gemma2 soft-capping", "cohere logit_scale", "granite logits_scaling", "lm_head bias"])
+def test_completion_logprobs_are_of_the_models_own_logits_whatever_its_head(name):
+    """Log-probs from the hidden states and the head must equal log softmax(model(...).logits / T) in float64."""
+    model = head_models()[name].eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 64, (3, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded prompt
+    with torch.no_grad():
+        got = grpo.completion_logprobs(model, ids, mask, 4, 0.7)
+        position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits.double()
+        plain = torch.log_softmax(model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=position_ids)
+                                  .last_hidden_state.double() @ model.get_output_embeddings().weight.double().T / 0.7,
+                                  dim=-1)[:, 3:-1].gather(-1, ids[:, 4:, None])[..., 0]
+    want = torch.log_softmax(logits / 0.7, dim=-1)[:, 3:-1].gather(-1, ids[:, 4:, None])[..., 0]
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert (plain - want).abs().max() > 1e-2  # the plain matmul would be wrong for this model

@@ -113,6 +113,33 @@ def test_linear_token_logprobs_matches_float64(backend, monkeypatch, dtype, tile
     assert_matches_reference((logp, entropy), want, grads, want_grads, dtype)
 
 
+@pytest.mark.parametrize("head", [{"bias": True}, {"logit_scale": 0.0625}, {"softcap": 3.0},
+                                  {"bias": True, "logit_scale": 2.0, "softcap": 5.0}])
+@pytest.mark.parametrize("backend, tiles", BACKEND_TILES, indirect=["backend"])
+def test_linear_token_logprobs_with_a_bias_a_logit_scale_or_soft_capping(backend, monkeypatch, tiles, head):
+    """The heads that are not a plain matmul, against their float64 logits: (hidden @ W.T + b) * scale, then
+    c * tanh(logits / c) (Gemma 2's final soft-capping), values and the gradients of hidden, weight and bias."""
+    set_tiles(monkeypatch, backend, tiles, tile_elements=96, max_rows=3)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 4, 16, generator=gen).requires_grad_()
+    weight = torch.randn(131, 16, generator=gen).requires_grad_()
+    bias = (torch.randn(131, generator=gen) * 2).requires_grad_() if head.get("bias") else None
+    targets, weights = torch.randint(0, 131, (2, 4), generator=gen), torch.randn(2, 4, generator=gen)
+    kw = {"bias": bias, "logit_scale": head.get("logit_scale"), "softcap": head.get("softcap")}
+    logp, entropy = linear_token_logprobs(hidden, weight, targets, temperature=0.7, with_entropy=True, **kw)
+    leaves = [x for x in (hidden, weight, bias) if x is not None]
+    grads = torch.autograd.grad(backward_pair(logp, entropy, weights), leaves)
+    leaves64 = [x.detach().double().requires_grad_() for x in leaves]
+    logits = leaves64[0] @ leaves64[1].T + (leaves64[2] if bias is not None else 0)
+    logits = logits * kw["logit_scale"] if kw["logit_scale"] else logits
+    logits = kw["softcap"] * torch.tanh(logits / kw["softcap"]) if kw["softcap"] else logits
+    want = reference_logprobs(logits, targets, 0.7)
+    want_grads = torch.autograd.grad(backward_pair(*want, weights), leaves64)
+    assert_matches_reference((logp, entropy), want, grads, want_grads, torch.float32)
+    plain = linear_token_logprobs(hidden, weight, targets, temperature=0.7)
+    assert (plain - logp).abs().max() > 1e-2  # each head does change the log-probs
+
+
 def test_frozen_lm_head_gets_no_gradient(backend, monkeypatch):
     set_tiles(monkeypatch, backend, "many", tile_elements=96, max_rows=3)
     gen = torch.Generator().manual_seed(5)
