@@ -711,6 +711,42 @@ def lm_head(model, dtype: torch.dtype) -> dict:
             "logit_scale": None if scale == 1.0 else scale, "softcap": getattr(config, "final_logit_softcapping", None)}
 
 
+class SampledLogprobs:
+    """Last of generate's logits processors (its temperature comes after): the log-prob each token was sampled with,
+    log softmax(scores / T) at the token, read one step later when the token is in input_ids."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.logp = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.logp.append(self.last.gather(1, input_ids[:, -1:]))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+
+def sample(model, ids, mask, gen_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched generate -> the completions [B, Tc] and the log-probs the sampler drew them with [B, Tc]."""
+    seen = SampledLogprobs(gen_config.temperature)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen])
+    completion_ids = out[:, ids.shape[1]:]
+    return completion_ids, torch.cat([*seen.logp, seen.last.gather(1, completion_ids[:, -1:])], dim=1)
+
+
+def sampler_gap(run, gap_sum, tokens, exact: bool) -> float:
+    """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
+    a gap beyond float rounding (1e-3; 0.25 under bfloat16) stops the run: the update would be silently off-policy."""
+    total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
+    gap, tolerance = float(total[0] / total[1].clamp(min=1)), 1e-3 if exact else 0.25
+    if not getattr(run, "sampler_checked", False) and gap > tolerance:
+        raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
+                         f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature) of the "
+                         f"model's forward (a logits processor, a custom generate, a model whose cached decoding "
+                         f"differs from its forward); the policy gradient would be off-policy")
+    run.sampler_checked = True
+    return gap
+
+
 CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)
 
 

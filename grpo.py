@@ -329,7 +329,8 @@ def take_rows(batch: dict, rows: torch.Tensor) -> dict:
 
 
 # prompts are padded on the left, completions on the right: the layout `generate` produces
-LEFT_PADDED = {"prompt_ids": True, "prompt_mask": True, "completion_ids": False, "completion_mask": False}
+LEFT_PADDED = {"prompt_ids": True, "prompt_mask": True, "completion_ids": False, "completion_mask": False,
+               "sampler_logp": False}
 
 
 def concat_rollouts(batches: list[dict], pad_id: int) -> dict:
@@ -417,7 +418,7 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, 
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
-        completion_ids = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)[:, ids.shape[1]:]
+        completion_ids, sampler_logp = sample(model, ids, mask, gen_config)
     t1 = time.perf_counter()
     c_mask, truncated = completion_mask(completion_ids, eos_ids)
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -427,6 +428,7 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, 
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
     return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
+            "sampler_logp": sampler_logp,
             "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
@@ -443,7 +445,8 @@ def micro_batches(batch: dict, advantages: torch.Tensor, mask: torch.Tensor, siz
         needed[:size] = True
     kept = needed.nonzero().squeeze(1)
     return [{"ids": ids[r, first : width + end], "attention": attention[r, first : width + end],
-             "prompt_width": width - first, "mask": mask[r, :end], "advantages": advantages[r, None]}
+             "prompt_width": width - first, "mask": mask[r, :end], "advantages": advantages[r, None],
+             "sampler_logp": batch["sampler_logp"][r, :end]}
             for r, first, end in ((kept[rows], first, end) for rows, first, end in length_sorted_micro_batches(
                 batch["prompt_mask"][kept], batch["completion_mask"][kept], size))]
 
@@ -460,7 +463,7 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
                 world: int, autocast) -> tuple[dict, torch.Tensor]:
     """--num-iterations (mu) optimiser updates on one batch: the clipped loss per token (Eq. 3), aggregated per
     --loss-type. pi_old's log-probs are the first update's (the weights have not moved yet)."""
-    sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens"), 0.0)
+    sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "sampler_tokens"), 0.0)
     ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
     for iteration in range(args.num_iterations):
         for k, mb in enumerate(chunks):
@@ -468,6 +471,8 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
                 logp, entropy = policy(mb["ids"], mb["attention"], mb["prompt_width"], args.temperature)
                 if iteration == 0:
                     mb["old_logp"] = logp.detach()
+                    sums["sampler_gap"] += float(((logp.detach() - mb["sampler_logp"]).abs() * mb["mask"]).sum())
+                    sums["sampler_tokens"] += float(mb["mask"].sum())
                     if reference is not None:
                         with torch.no_grad():
                             mb["ref_logp"] = reference(mb)
@@ -580,6 +585,7 @@ def main(args: Args) -> dict:
     if run.ddp:
         policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
+    exact = args.dtype == "float32" or (args.dtype == "auto" and device.type != "cuda")  # float32, no autocast
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
@@ -651,6 +657,7 @@ def main(args: Args) -> dict:
             # 4c. mu updates on this batch: the clipped loss per token (Eq. 3), aggregated per --loss-type.
             sums, grad_norm = grpo_update(policy, optimizer, chunks, args, reference,
                                           int(run.gather(mask.sum()[None]).sum()), world, autocast)
+            gap = sampler_gap(run, sums["sampler_gap"], sums["sampler_tokens"], exact)  # stops a mismatch at once
             lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
             scheduler.step()
             timing["train"] += time.perf_counter() - t_train
@@ -670,7 +677,8 @@ def main(args: Args) -> dict:
                          **{f"rewards/{k}": float(run.gather(v.to(device)).mean()) for k, v in batch["rewards"].items()
                             if k != "total"},
                          "train/kl": kl_sum / max(n_tok, 1), "train/clip_frac": clip_sum / max(n_tok, 1),
-                         "train/entropy": ent_sum / max(n_tok, 1), "train/grad_norm": float(grad_norm),
+                         "train/entropy": ent_sum / max(n_tok, 1), "train/sampler_gap": gap,
+                         "train/grad_norm": float(grad_norm),
                          "train/lr": lr, "train/completion_length": len_sum / n_seq,
                          "train/truncated_frac": n_trunc / n_seq,
                          "train/frac_zero_std": float((~informative_groups(rewards)).float().mean()),
@@ -728,6 +736,42 @@ def lm_head(model, dtype: torch.dtype) -> dict:
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     return {"weight": head.weight.to(dtype), "bias": None if bias is None else bias.to(dtype),
             "logit_scale": None if scale == 1.0 else scale, "softcap": getattr(config, "final_logit_softcapping", None)}
+
+
+class SampledLogprobs:
+    """Last of generate's logits processors (its temperature comes after): the log-prob each token was sampled with,
+    log softmax(scores / T) at the token, read one step later when the token is in input_ids."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.logp = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.logp.append(self.last.gather(1, input_ids[:, -1:]))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+
+def sample(model, ids, mask, gen_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched generate -> the completions [B, Tc] and the log-probs the sampler drew them with [B, Tc]."""
+    seen = SampledLogprobs(gen_config.temperature)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen])
+    completion_ids = out[:, ids.shape[1]:]
+    return completion_ids, torch.cat([*seen.logp, seen.last.gather(1, completion_ids[:, -1:])], dim=1)
+
+
+def sampler_gap(run, gap_sum, tokens, exact: bool) -> float:
+    """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
+    a gap beyond float rounding (1e-3; 0.25 under bfloat16) stops the run: the update would be silently off-policy."""
+    total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
+    gap, tolerance = float(total[0] / total[1].clamp(min=1)), 1e-3 if exact else 0.25
+    if not getattr(run, "sampler_checked", False) and gap > tolerance:
+        raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
+                         f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature) of the "
+                         f"model's forward (a logits processor, a custom generate, a model whose cached decoding "
+                         f"differs from its forward); the policy gradient would be off-policy")
+    run.sampler_checked = True
+    return gap
 
 
 CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)

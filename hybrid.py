@@ -586,7 +586,7 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, 
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
-        completion_ids = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)[:, ids.shape[1]:]
+        completion_ids, sampler_logp = sample(model, ids, mask, gen_config)
     t1 = time.perf_counter()
     c_mask, truncated = completion_mask(completion_ids, eos_ids)
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -596,6 +596,7 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, 
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
     return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
+            "sampler_logp": sampler_logp,
             "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
@@ -728,6 +729,9 @@ def ppo_step(actor_critic, optimizer, batch: dict, ref_model, kl_ctl: KLControll
     advantages, the PPO epochs, the KL controller -> (the batch with its advantages and scores, the step's metrics)."""
     batch = old_logprobs_and_values(actor_critic.module if run.ddp else actor_critic, ref_model, batch, micro, args,
                                     autocast)
+    gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * batch["completion_mask"]).sum(),
+                      batch["completion_mask"].sum(), args.dtype == "float32" or (args.dtype == "auto" and
+                                                                                   run.device.type != "cuda"))
     kl_coef = kl_ctl.value
     batch.update(compute_advantages(batch, kl_coef, args))
     stats = ppo_update(actor_critic, optimizer, batch, micro, args, *(g["params"] for g in optimizer.param_groups),
@@ -735,7 +739,7 @@ def ppo_step(actor_critic, optimizer, batch: dict, ref_model, kl_ctl: KLControll
     # 5. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
     batch_kl = float(run.gather(batch["kl"].sum(dim=1)).mean())
     kl_ctl.update(batch_kl, args.prompts_per_step * args.num_generations)
-    return batch, ppo_metrics(run, batch, stats, kl_coef, batch_kl, args)
+    return batch, {**ppo_metrics(run, batch, stats, kl_coef, batch_kl, args), "train/sampler_gap": gap}
 
 
 # ---- optimiser and schedule, by name
@@ -1091,6 +1095,42 @@ def lm_head(model, dtype: torch.dtype) -> dict:
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     return {"weight": head.weight.to(dtype), "bias": None if bias is None else bias.to(dtype),
             "logit_scale": None if scale == 1.0 else scale, "softcap": getattr(config, "final_logit_softcapping", None)}
+
+
+class SampledLogprobs:
+    """Last of generate's logits processors (its temperature comes after): the log-prob each token was sampled with,
+    log softmax(scores / T) at the token, read one step later when the token is in input_ids."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.logp = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.logp.append(self.last.gather(1, input_ids[:, -1:]))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+
+def sample(model, ids, mask, gen_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched generate -> the completions [B, Tc] and the log-probs the sampler drew them with [B, Tc]."""
+    seen = SampledLogprobs(gen_config.temperature)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen])
+    completion_ids = out[:, ids.shape[1]:]
+    return completion_ids, torch.cat([*seen.logp, seen.last.gather(1, completion_ids[:, -1:])], dim=1)
+
+
+def sampler_gap(run, gap_sum, tokens, exact: bool) -> float:
+    """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
+    a gap beyond float rounding (1e-3; 0.25 under bfloat16) stops the run: the update would be silently off-policy."""
+    total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
+    gap, tolerance = float(total[0] / total[1].clamp(min=1)), 1e-3 if exact else 0.25
+    if not getattr(run, "sampler_checked", False) and gap > tolerance:
+        raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
+                         f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature) of the "
+                         f"model's forward (a logits processor, a custom generate, a model whose cached decoding "
+                         f"differs from its forward); the policy gradient would be off-policy")
+    run.sampler_checked = True
+    return gap
 
 
 CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)

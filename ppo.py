@@ -493,7 +493,7 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, 
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
-        completion_ids = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)[:, ids.shape[1]:]
+        completion_ids, sampler_logp = sample(model, ids, mask, gen_config)
     t1 = time.perf_counter()
     c_mask, truncated = completion_mask(completion_ids, eos_ids)
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -503,6 +503,7 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, 
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
     return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
+            "sampler_logp": sampler_logp,
             "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
@@ -746,6 +747,7 @@ def main(args: Args) -> dict:
         actor_critic = torch.nn.parallel.DistributedDataParallel(
             actor_critic, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
+    exact = args.dtype == "float32" or (args.dtype == "auto" and device.type != "cuda")  # float32, no autocast
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
@@ -812,6 +814,8 @@ def main(args: Args) -> dict:
             t_train = time.perf_counter()
             # 4b. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients.
             batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast)
+            gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * batch["completion_mask"]).sum(),
+                              batch["completion_mask"].sum(), exact)  # stops a sampler/trainer mismatch at once
             # 4c. Per-token rewards (-beta KL_t, the score at the last token), GAE, whitened advantages.
             kl_coef = kl_ctl.value
             batch.update(compute_advantages(batch, kl_coef, args))
@@ -829,6 +833,7 @@ def main(args: Args) -> dict:
             # 4f. Log rewards per component, KL, losses, clipping, the critic's fit and timings.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **ppo_metrics(run, batch, stats, kl_coef, batch_kl, args), "train/lr": lr,
+                         "train/sampler_gap": gap,
                          "perf/tokens_per_s": tokens * world / max(timing["step"], 1e-9),
                          **{f"perf/{k}_s": v / (step - last_log) for k, v in timing.items()}}
                 n = args.num_sample_completions
@@ -882,6 +887,42 @@ def lm_head(model, dtype: torch.dtype) -> dict:
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     return {"weight": head.weight.to(dtype), "bias": None if bias is None else bias.to(dtype),
             "logit_scale": None if scale == 1.0 else scale, "softcap": getattr(config, "final_logit_softcapping", None)}
+
+
+class SampledLogprobs:
+    """Last of generate's logits processors (its temperature comes after): the log-prob each token was sampled with,
+    log softmax(scores / T) at the token, read one step later when the token is in input_ids."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.logp = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.logp.append(self.last.gather(1, input_ids[:, -1:]))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+
+def sample(model, ids, mask, gen_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched generate -> the completions [B, Tc] and the log-probs the sampler drew them with [B, Tc]."""
+    seen = SampledLogprobs(gen_config.temperature)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen])
+    completion_ids = out[:, ids.shape[1]:]
+    return completion_ids, torch.cat([*seen.logp, seen.last.gather(1, completion_ids[:, -1:])], dim=1)
+
+
+def sampler_gap(run, gap_sum, tokens, exact: bool) -> float:
+    """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
+    a gap beyond float rounding (1e-3; 0.25 under bfloat16) stops the run: the update would be silently off-policy."""
+    total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
+    gap, tolerance = float(total[0] / total[1].clamp(min=1)), 1e-3 if exact else 0.25
+    if not getattr(run, "sampler_checked", False) and gap > tolerance:
+        raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
+                         f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature) of the "
+                         f"model's forward (a logits processor, a custom generate, a model whose cached decoding "
+                         f"differs from its forward); the policy gradient would be off-policy")
+    run.sampler_checked = True
+    return gap
 
 
 CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)

@@ -333,3 +333,21 @@ def test_truncated_sampling_is_refused_since_the_log_probs_are_of_the_full_softm
                                          r"--top-k 0"):
         module(script).main(tiny_args(script, tiny, tmp_path / "out", **change))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo", "hybrid"])
+def test_the_sampler_matches_the_trainer_and_a_mismatch_stops_the_first_step(tiny, tmp_path, script, monkeypatch):
+    """train/sampler_gap: the log-probs generate sampled with against the trainer's. A checkpoint's repetition_penalty
+    let through to generate (the leak own_generation_config closes) makes them differ: the run stops at step 1."""
+    m = module(script)
+    out = m.main(tiny_args(script, tiny, tmp_path / "a", log_every=1))  # hybrid: an SFT step, then a PPO step
+    gaps = [r["train/sampler_gap"] for r in train_rows(out["run_dir"]) if "train/sampler_gap" in r]
+    assert gaps and max(gaps) < 1e-4, gaps
+    model = tmp_path / "model"
+    shutil.copytree(tiny / "model", model)
+    (model / "generation_config.json").write_text(json.dumps({"repetition_penalty": 3.0, "eos_token_id": 1}))
+    monkeypatch.setattr(m, "own_generation_config", lambda model, tokenizer: [tokenizer.eos_token_id])
+    with pytest.raises(ValueError, match=r"the sampler and the trainer disagree: mean \|log-prob gap\| .* on the first"):
+        m.main(tiny_args(script, tiny, tmp_path / "b", model_name_or_path=str(model)))
+    if script != "hybrid":  # (hybrid's first step is an SFT step: that one is done and kept)
+        assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
