@@ -66,12 +66,16 @@ DEFAULT_REWARD = "correctness:1.0,format:0.2,rouge_l:0.2"
 
 TORCH_OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad", "adafactor")
 # --optimizer name -> class in bitsandbytes.optim (8-bit states, paged memory); needs `pip install bitsandbytes`
-BNB_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adam_8bit": "Adam8bit", "paged_adamw": "PagedAdamW",
-                  "paged_adamw_8bit": "PagedAdamW8bit", "paged_adamw_32bit": "PagedAdamW32bit", "lion_8bit": "Lion8bit",
-                  "paged_lion_8bit": "PagedLion8bit", "rmsprop_8bit": "RMSprop8bit", "sgd_8bit": "SGD8bit"}
-HF_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                 "inverse_sqrt")
-TORCH_SCHEDULERS = ("step", "multistep", "exponential", "onecycle", "cyclic", "reduce_on_plateau")
+BNB_OPTIMIZERS = {n: "".join({"adamw": "AdamW", "adam": "Adam", "lion": "Lion", "rmsprop": "RMSprop", "sgd": "SGD",
+                              "adagrad": "Adagrad", "ademamix": "AdEMAMix", "paged": "Paged"}.get(w, w) for w in n.split("_"))
+                  for n in ("adamw_8bit", "adamw_32bit", "adam_8bit", "adam_32bit", "paged_adamw", "paged_adamw_8bit",
+                            "paged_adamw_32bit", "paged_adam_8bit", "paged_adam_32bit", "lion_8bit", "lion_32bit",
+                            "paged_lion_8bit", "paged_lion_32bit", "rmsprop_8bit", "sgd_8bit", "adagrad_8bit",
+                            "adagrad_32bit", "ademamix", "ademamix_8bit", "paged_ademamix", "paged_ademamix_8bit")}
+HF_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "poly", "constant", "constant_with_warmup",
+                 "inverse_sqrt", "none")  # poly: polynomial; none: constant, no warmup
+TORCH_SCHEDULERS = ("step", "multistep", "exponential", "onecycle", "cyclic", "reduce_on_plateau", "cosineannealing",
+                    "cosineannealing_warm_restarts")
 
 
 @dataclass
@@ -201,6 +205,18 @@ class Args:
     """epsilon of Adam, RMSprop and Adagrad"""
     momentum: float = 0.0
     """momentum of SGD and RMSprop"""
+    sgd_dampening: float = 0.0
+    """dampening of SGD's momentum"""
+    sgd_nesterov: bool = False
+    """Nesterov momentum for SGD (needs --momentum > 0 and no dampening)"""
+    rmsprop_alpha: float = 0.99
+    """smoothing constant of RMSprop's squared-gradient average"""
+    rmsprop_centered: bool = False
+    """centred RMSprop (normalise by the gradient's estimated variance)"""
+    adagrad_lr_decay: float = 0.0
+    """Adagrad's learning-rate decay"""
+    adagrad_initial_accumulator: float = 0.0
+    """Adagrad's initial accumulator value"""
     total_steps: int = 400
     """training steps of either kind; they shape the curriculum and the lr schedule, so cannot change on --resume"""
     micro_batch_size: int = 0
@@ -209,6 +225,8 @@ class Args:
     """transformers.get_scheduler's schedules, or torch's (reduce_on_plateau: on eval/accuracy at each evaluation)"""
     warmup_steps: int = 20
     """linear warmup steps of the transformers schedules"""
+    warmup_ratio: float = 0.0
+    """warmup as a share of --total-steps, used when --warmup-steps is 0 (as transformers' Trainer)"""
     lr_step_size: int = 100
     """step: steps between decays; cyclic: steps of the rising half-cycle"""
     lr_decay: float = 0.5
@@ -752,12 +770,15 @@ def make_optimizer(name: str, param_groups: list[dict], args: Args) -> torch.opt
         return torch.optim.AdamW(param_groups, betas=betas, eps=eps, weight_decay=wd)
     if name == "adam":
         return torch.optim.Adam(param_groups, betas=betas, eps=eps, weight_decay=wd)
+    sgd = dict(momentum=args.momentum, dampening=args.sgd_dampening, nesterov=args.sgd_nesterov)
+    rmsprop = dict(alpha=args.rmsprop_alpha, eps=eps, momentum=args.momentum, centered=args.rmsprop_centered)
+    adagrad = dict(lr_decay=args.adagrad_lr_decay, initial_accumulator_value=args.adagrad_initial_accumulator, eps=eps)
     if name == "sgd":
-        return torch.optim.SGD(param_groups, momentum=args.momentum, weight_decay=wd)
+        return torch.optim.SGD(param_groups, weight_decay=wd, **sgd)
     if name == "rmsprop":
-        return torch.optim.RMSprop(param_groups, momentum=args.momentum, eps=eps, weight_decay=wd)
+        return torch.optim.RMSprop(param_groups, weight_decay=wd, **rmsprop)
     if name == "adagrad":
-        return torch.optim.Adagrad(param_groups, eps=eps, weight_decay=wd)
+        return torch.optim.Adagrad(param_groups, weight_decay=wd, **adagrad)
     if name == "adafactor":  # a fixed lr (the schedule's), not Adafactor's own relative step size
         from transformers import Adafactor
 
@@ -769,12 +790,10 @@ def make_optimizer(name: str, param_groups: list[dict], args: Args) -> torch.opt
         except ImportError:
             raise ValueError(f"--optimizer {name} needs the bitsandbytes package: `pip install bitsandbytes` (a CUDA "
                              f"GPU), or choose one of {', '.join(TORCH_OPTIMIZERS)}") from None
-        cls = getattr(bnb.optim, BNB_OPTIMIZERS[name])
-        if "sgd" in name or "rmsprop" in name:
-            return cls(param_groups, lr=param_groups[0]["lr"], momentum=args.momentum, weight_decay=wd)
-        if "lion" in name:
-            return cls(param_groups, betas=betas, weight_decay=wd)
-        return cls(param_groups, betas=betas, eps=eps, weight_decay=wd)
+        family = next(w for w in name.split("_") if w != "paged")  # AdEMAMix keeps its own three betas
+        kw = {"sgd": sgd, "rmsprop": rmsprop, "adagrad": adagrad, "lion": dict(betas=betas), "ademamix": dict(eps=eps)}
+        return getattr(bnb.optim, BNB_OPTIMIZERS[name])(param_groups, lr=param_groups[0]["lr"], weight_decay=wd,
+                                                        **kw.get(family, dict(betas=betas, eps=eps)))
     raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join([*TORCH_OPTIMIZERS, *BNB_OPTIMIZERS])}")
 
 
@@ -787,17 +806,23 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer, args: Args):
     if name in HF_SCHEDULERS:
         from transformers import get_scheduler
 
+        name, warmup = {"poly": "polynomial", "none": "constant"}.get(name, name), args.warmup_steps or math.ceil(
+            args.warmup_ratio * args.total_steps)
         extra = {"cosine_with_restarts": {"num_cycles": args.lr_num_cycles}, "polynomial": {"power": args.lr_power}}
-        return get_scheduler(name, optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.total_steps,
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=args.total_steps,
                              scheduler_specific_kwargs=extra.get(name))
+    if name == "cosineannealing":
+        return lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.total_steps)
+    if name == "cosineannealing_warm_restarts":
+        return lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=args.lr_step_size)
     if name == "step":
         return lr_scheduler.StepLR(optimizer, step_size=args.lr_step_size, gamma=args.lr_decay)
     if name == "multistep":
         return lr_scheduler.MultiStepLR(optimizer, milestones=list(args.lr_milestones), gamma=args.lr_decay)
     if name == "exponential":
         return lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
-    if name == "onecycle":
-        return lr_scheduler.OneCycleLR(optimizer, max_lr=peak, total_steps=args.total_steps + 1)
+    if name == "onecycle":  # the lr only: cycling momentum would switch SGD's on and break Adagrad and Adafactor
+        return lr_scheduler.OneCycleLR(optimizer, max_lr=peak, total_steps=args.total_steps + 1, cycle_momentum=False)
     if name == "cyclic":  # between a tenth of the peak and the peak
         return lr_scheduler.CyclicLR(optimizer, base_lr=[lr / 10 for lr in peak], max_lr=peak,
                                      step_size_up=args.lr_step_size, cycle_momentum=False)
@@ -824,7 +849,12 @@ def check_args(args: Args) -> tuple[int, int]:
         if not 0 <= getattr(args, name) <= 1:
             raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1] (a share of the steps), got "
                              f"{getattr(args, name)}: 1 for SFT steps only, 0 for PPO steps only")
-    # unknown names and a missing bitsandbytes fail now, on a stand-in parameter
+    if args.optimizer == "sgd_8bit" and args.momentum == 0:
+        raise ValueError("--optimizer sgd_8bit needs --momentum > 0 (bitsandbytes has no 8-bit SGD without "
+                         "momentum): pass --momentum 0.9, or use --optimizer sgd")
+    if not 0 <= args.warmup_ratio < 1:
+        raise ValueError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
+    # unknown names, a missing bitsandbytes and settings the optimiser refuses fail now, on a stand-in parameter
     make_scheduler(args.lr_scheduler, make_optimizer(args.optimizer, [{"params": [torch.zeros(1, requires_grad=True)],
                                                                        "lr": 1.0}], args), args)
     if args.lr_scheduler == "reduce_on_plateau" and not (args.eval_split and args.eval_every):

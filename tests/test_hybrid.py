@@ -284,7 +284,7 @@ def test_scheduler_factory_builds_each_choice(name):
         opt.step()
         scheduler.step(0.5) if name == "reduce_on_plateau" else scheduler.step()
     assert all(math.isfinite(x) and x >= 0 for x in seen)
-    assert len(set(seen)) > 1 or name == "constant", name  # the schedule moves the lr
+    assert len(set(seen)) > 1 or name in ("constant", "none"), name  # the schedule moves the lr
     if name == "step":
         assert seen[:6] == pytest.approx([1, 1, 1, 1, 1, 0.5])
     if name == "multistep":
@@ -294,6 +294,54 @@ def test_scheduler_factory_builds_each_choice(name):
     if name == "reduce_on_plateau":  # no improvement after the first: halved at every evaluation (patience 0)
         assert seen[:3] == pytest.approx([1.0, 1.0, 0.5])
     assert opt.param_groups[1]["lr"] == pytest.approx(opt.param_groups[0]["lr"] / 2)  # each group in proportion
+
+
+def test_optimizer_settings_reach_torch_and_bitsandbytes(monkeypatch):
+    """SGD's dampening and Nesterov, RMSprop's alpha and centring, Adagrad's lr decay and initial accumulator; each
+    bitsandbytes name builds its class with the settings of its family (AdEMAMix keeps its own three betas)."""
+    args = hybrid.Args(momentum=0.9, sgd_nesterov=True, rmsprop_alpha=0.9, rmsprop_centered=True, adagrad_lr_decay=0.1,
+                       adagrad_initial_accumulator=0.5, sgd_dampening=0.0)
+    group = lambda: [{"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.1}]  # noqa: E731
+    assert hybrid.make_optimizer("sgd", group(), args).param_groups[0]["nesterov"] is True
+    assert {k: hybrid.make_optimizer("rmsprop", group(), args).param_groups[0][k] for k in ("alpha", "centered")} == {
+        "alpha": 0.9, "centered": True}
+    adagrad = hybrid.make_optimizer("adagrad", group(), args)
+    assert adagrad.param_groups[0]["lr_decay"] == 0.1 and adagrad.param_groups[0]["initial_accumulator_value"] == 0.5
+    built = {}
+
+    class Fake:
+        def __init__(self, params, **kw):
+            built[self.name] = kw
+
+    fake = type(sys)("bitsandbytes")
+    fake.optim = type(sys)("bitsandbytes.optim")
+    for cls in set(hybrid.BNB_OPTIMIZERS.values()):
+        setattr(fake.optim, cls, type(cls, (Fake,), {"name": cls}))
+    monkeypatch.setitem(sys.modules, "bitsandbytes", fake)
+    for name in hybrid.BNB_OPTIMIZERS:
+        hybrid.make_optimizer(name, group(), args)
+    assert len(hybrid.TORCH_OPTIMIZERS) + len(hybrid.BNB_OPTIMIZERS) >= 24 and len(built) == len(hybrid.BNB_OPTIMIZERS)
+    assert built["SGD8bit"] == {"lr": 0.1, "weight_decay": 0.0, "momentum": 0.9, "dampening": 0.0, "nesterov": True}
+    assert built["Adagrad32bit"]["initial_accumulator_value"] == 0.5
+    assert built["RMSprop8bit"]["centered"] is True and "betas" not in built["PagedAdEMAMix8bit"]
+    assert built["PagedLion32bit"]["betas"] == (0.9, 0.99) and "eps" not in built["Lion8bit"]
+    assert built["PagedAdam32bit"]["eps"] == 1e-8
+
+
+def test_warmup_ratio_and_onecycle_with_any_optimizer():
+    w = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([w], lr=1.0)
+    scheduler = hybrid.make_scheduler("linear", opt, hybrid.Args(total_steps=20, warmup_steps=0, warmup_ratio=0.1))
+    seen = []
+    for _ in range(3):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.0, 0.5, 1.0])  # 2 warmup steps: a tenth of 20
+    for name in ("sgd", "adagrad", "adafactor"):  # onecycle schedules the lr only: no momentum switched on
+        opt = hybrid.make_optimizer(name, [{"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.1}], hybrid.Args())
+        hybrid.make_scheduler("onecycle", opt, hybrid.Args(total_steps=10))
+        assert opt.param_groups[0].get("momentum", 0.0) == 0.0, name
 
 
 def test_scheduler_factory_rejects_unknown_names():
@@ -401,6 +449,9 @@ def test_resume_restores_the_value_head_and_the_kl_controller_and_refuses_total_
     ({"lr_scheduler": "reduce_on_plateau", "eval_split": None}, "reduce_on_plateau steps on eval/accuracy, but evaluation is disabled"),
     ({"lr_scheduler": "reduce_on_plateau", "eval_every": 0}, "give an --eval-split and --eval-every > 0"),
     ({"lr_scheduler": "warmup"}, "unknown lr scheduler 'warmup'"),
+    ({"optimizer": "sgd_8bit"}, "--optimizer sgd_8bit needs --momentum > 0"),
+    ({"warmup_ratio": 1.5}, "--warmup-ratio must be in [0, 1)"),
+    ({"optimizer": "sgd", "sgd_nesterov": True}, "Nesterov momentum requires a momentum"),
     ({"sft_batch_size": 6, "micro_batch_size": 4}, "--sft-batch-size = 6 is not divisible by --micro-batch-size 4: use --micro-batch-size 3"),
     ({"reward": "correctness,bogus"}, "unknown reward type 'bogus'"),
     ({"sft_split": "nope"}, "has no nope.jsonl"),
