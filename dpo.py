@@ -11,7 +11,8 @@ chosen completion's length-normalised NLL (RPO, arXiv:2404.19733).
 Run:
     python dpo.py                                               # models/tiny-arith on data/arith's pairs, CPU
     python dpo.py --rpo-alpha 0                                 # plain DPO (lowers greedy accuracy: docs/dpo.md)
-    python dpo.py --loss-type simpo --beta 2 --simpo-gamma 1    # or ipo, hinge, robust; --precompute-ref-logps
+    python dpo.py --loss-type simpo --beta 2 --simpo-gamma 1 --rpo-alpha 0  # or ipo, hinge, robust (the default
+                                                                # --rpo-alpha 1 adds RPO's NLL term to any loss)
     python dpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-prefs \
         --dataset-split train --eval-split None --pref-eval-split test --max-completion-length 512 \
         --micro-batch-size 4 --learning-rate 5e-7 --lora-r 16
@@ -650,7 +651,8 @@ def main(args: Args) -> dict:
             scheduler.step()
             seconds, tokens = seconds + time.perf_counter() - t_step, tokens + n_tokens
 
-            # 4c. Log with TRL's meanings: implicit rewards, their margin and accuracy, the policy's log-probs.
+            # 4c. Log under TRL's names: implicit rewards, their margin and accuracy, the policy's log-probs (for ipo
+            #     and simpo the rewards are of the log-ratios those losses use: docs/dpo.md).
             if step % args.log_every == 0 or step == args.total_steps:
                 local = torch.tensor(list(sums.values()), device=device)
                 if run.ddp:

@@ -362,8 +362,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) 
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Whiten x over its real entries (as in N+, arXiv:2403.17031): (x - mean) / sqrt(var + 1e-8), with the
-    unbiased variance; shift_mean=False adds the mean back (only the scale changes). Padding (mask 0) does not move
+    """Whiten x over its real entries: (x - mean) / sqrt(var + 1e-8), with the unbiased variance (as TRL; N+,
+    arXiv:2403.17031, uses the biased one); shift_mean=False adds the mean back (only the scale changes). Padding (mask 0) does not move
     the mean or the std, and comes out as 0. x, mask: [B, T] -> [B, T]."""
     mean = masked_mean(x, mask)
     n = mask.sum()
@@ -642,7 +642,7 @@ def micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torc
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
     """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token, recomputed
-    rather than taken from `generate` (as N+). actor_critic: (ids, attention, prompt width, T) -> (logp, entropy,
+    rather than taken from `generate`'s scores (N+ takes them from there). actor_critic: (ids, attention, prompt width, T) -> (logp, entropy,
     values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp", "ref_logp", "old_values"."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
