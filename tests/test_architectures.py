@@ -85,11 +85,31 @@ def test_every_script_trains_every_family(tiny, families, tmp_path, family, scri
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_finds_its_target_modules_in_every_family(tiny, families, tmp_path, family):
+@pytest.mark.parametrize("script", ["grpo", "ppo", "dpo", "hybrid", "reward_model"])
+def test_lora_finds_its_target_modules_in_every_family(tiny, families, tmp_path, family, script):
     pytest.importorskip("peft")
-    out = run("grpo", tiny, families, family, tmp_path, lora_r=2)
+    out = run(script, tiny, families, family, tmp_path, lora_r=2)
     assert train_rows(out["run_dir"])[-1]["step"] == 2
     assert (Path(out["run_dir"]) / "final" / "config.json").exists()  # merged into a plain model
+
+
+def test_dpo_log_probs_are_of_gemma2s_soft_capped_logits(families):
+    """dpo.py's plain and packed log-probs go through the same head as grpo.py's: against Gemma 2's own logits."""
+    import dpo
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(families["gemma2"], attn_implementation="eager").eval()
+    pairs = [([5, 6], [7, 8, 9, 1], [7, 8, 10, 1]), ([4], [12, 1], [13, 14, 1])]
+    rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
+    with torch.no_grad():
+        want = []
+        for p, c in rows:
+            logits = model(input_ids=torch.tensor([p + c])).logits[0].double()
+            want.append(float(torch.log_softmax(logits, -1)[len(p) - 1 : -1].gather(-1, torch.tensor(c)[:, None]).sum()))
+        plain = dpo.sequence_logprobs(model, *dpo.collate_pairs(pairs, 0))
+        packed = dpo.packed_logprobs(model, *dpo.pack_pairs(pairs, pad_id=0))
+    assert plain.double().tolist() == pytest.approx(want, abs=1e-5)
+    assert packed.double().tolist() == pytest.approx(want, abs=1e-5)
 
 
 if __name__ == "__main__":
