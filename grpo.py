@@ -215,22 +215,23 @@ def loss_mask(completion_mask: torch.Tensor, truncated: torch.Tensor, mask_trunc
 
 
 def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *, num_sequences: int,
-                   num_tokens: int, max_completion_length: int) -> torch.Tensor:
+                   num_tokens: int, max_completion_length: int, local_tokens: int = 0, world: int = 1) -> torch.Tensor:
     """This micro-batch's share of the step's loss: summed over all micro-batches and processes it is
 
         grpo     mean over sequences of each sequence's token mean   (the 1/|o_i| of Eq. 3, arXiv:2402.03300)
-        bnpo     mean over micro-batches of each micro-batch's token mean
+        bnpo     mean over processes of each process's token mean over its whole batch (TRL's: local tokens)
         dr_grpo  token sum / (num_sequences x max_completion_length)  (arXiv:2503.20783, Sec. 3)
         dapo     token sum / num_tokens: one token mean over the step (arXiv:2503.14476, Sec. 3.3)
 
     per_token_loss, mask: [B, T]; num_sequences, num_tokens: completions and masked tokens in the
-    whole step (all micro-batches and processes) -> scalar.
+    whole step (all micro-batches and processes); local_tokens: this process's, of `world` -> scalar.
+    None depends on how the batch is cut into micro-batches (bnpo and dapo coincide on one process).
     """
     masked = (per_token_loss * mask).sum(dim=1)
     if loss_type == "grpo":
         return (masked / mask.sum(dim=1).clamp(min=1.0)).sum() / num_sequences
     if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0) * (mask.shape[0] / num_sequences)
+        return masked.sum() / max(local_tokens, 1) / world
     if loss_type == "dr_grpo":
         return masked.sum() / (num_sequences * max_completion_length)
     if loss_type == "dapo":
@@ -459,7 +460,7 @@ def reference_logprobs(ref_model, model, mb: dict, temperature: float) -> torch.
         return completion_logprobs(model, mb["ids"], mb["attention"], mb["prompt_width"], temperature)
 
 
-def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional[Callable], num_tokens: int,
+def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional[Callable], tokens: tuple[int, int],
                 world: int, autocast) -> tuple[dict, torch.Tensor]:
     """--num-iterations (mu) optimiser updates on one batch: the clipped loss per token (Eq. 3), aggregated per
     --loss-type. pi_old's log-probs are the first update's (the weights have not moved yet)."""
@@ -480,7 +481,7 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
                     logp, mb["old_logp"], mb["advantages"], ref_logp=mb.get("ref_logp"), clip_low=args.clip_low,
                     clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
                 loss = aggregate_loss(per_token, mb["mask"], args.loss_type, num_sequences=args.prompts_per_step *
-                                      args.num_generations, num_tokens=num_tokens,
+                                      args.num_generations, num_tokens=tokens[0], local_tokens=tokens[1], world=world,
                                       max_completion_length=args.max_completion_length)
                 (loss * world).backward()  # DDP averages gradients over processes
             sums["loss"] += loss.item()
@@ -653,10 +654,10 @@ def main(args: Args) -> dict:
             rewards = run.gather(batch["rewards"]["total"].to(device)).view(-1, G)
             advantages = group_advantages(rewards, args.scale_rewards).view(-1)[rank * groups * G:][: groups * G]
             mask = loss_mask(batch["completion_mask"], batch["truncated"], args.mask_truncated_completions)
-            chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0 and args.loss_type != "bnpo")
+            chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0)
             # 4c. mu updates on this batch: the clipped loss per token (Eq. 3), aggregated per --loss-type.
             sums, grad_norm = grpo_update(policy, optimizer, chunks, args, reference,
-                                          int(run.gather(mask.sum()[None]).sum()), world, autocast)
+                                          (int(run.gather(mask.sum()[None]).sum()), int(mask.sum())), world, autocast)
             gap = sampler_gap(run, sums["sampler_gap"], sums["sampler_tokens"], exact)  # stops a mismatch at once
             lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
             scheduler.step()

@@ -86,7 +86,7 @@ MASK = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
 # token sums 6, 4, 12, 6 (total 28 over 10 tokens); sequence means 2, 4, 3, 3
 EXPECTED = {
     "grpo": ((2 + 4 + 3 + 3) / 4, (2 + 4 + 3 + 3) / 4),  # (one micro-batch, two micro-batches of 2)
-    "bnpo": (28 / 10, (10 / 4 + 18 / 6) / 2),  # local token mean: depends on the micro-batching
+    "bnpo": (28 / 10, 28 / 10),  # one process: its token mean, whatever the micro-batching
     "dr_grpo": (28 / (4 * 4), 28 / (4 * 4)),  # max completion length 4
     "dapo": (28 / 10, 28 / 10),
 }
@@ -94,10 +94,14 @@ EXPECTED = {
 
 @pytest.mark.parametrize("loss_type", list(EXPECTED))
 def test_aggregate_loss_hand_computed_with_ragged_lengths(loss_type):
-    kw = {"num_sequences": 4, "num_tokens": 10, "max_completion_length": 4}
+    kw = {"num_sequences": 4, "num_tokens": 10, "max_completion_length": 4, "local_tokens": 10}
     whole = grpo.aggregate_loss(LOSS, MASK, loss_type, **kw)
     split = sum(grpo.aggregate_loss(LOSS[r], MASK[r], loss_type, **kw) for r in (slice(0, 2), slice(2, 4)))
     assert (whole.item(), split.item()) == pytest.approx(EXPECTED[loss_type], rel=1e-6)
+    # two processes holding rows 0-1 (4 tokens) and 2-3 (6 tokens): bnpo is the mean of their token means
+    procs = sum(grpo.aggregate_loss(LOSS[r], MASK[r], loss_type, **{**kw, "local_tokens": n, "world": 2})
+                for r, n in ((slice(0, 2), 4), (slice(2, 4), 6)))
+    assert procs.item() == pytest.approx((10 / 4 + 18 / 6) / 2 if loss_type == "bnpo" else EXPECTED[loss_type][0])
 
 
 @pytest.mark.parametrize("kl_estimator", ["k1", "k2", "k3"])
@@ -240,10 +244,11 @@ def test_reference_kl_starts_at_zero_and_grows(tiny, tmp_path, kl_estimator, lor
         assert not any("lora" in k for k in final)  # merged into plain weights, loadable without peft
 
 
-def test_skipping_zero_advantage_completions_changes_nothing(tiny, tmp_path):
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_skipping_zero_advantage_completions_changes_nothing(tiny, tmp_path, loss_type):
     """With beta = 0, completions with zero advantage are left out of the backward pass; a negligible
     beta keeps them in (the KL term needs every row) and must give the same weights."""
-    kw = {"total_steps": 3, "num_generations": 2, "prompts_per_step": 4, "eval_split": None, "loss_type": "dapo"}
+    kw = {"total_steps": 3, "num_generations": 2, "prompts_per_step": 4, "eval_split": None, "loss_type": loss_type}
     skipped = grpo.main(tiny_args(tiny, tmp_path / "a", **kw))
     kept = grpo.main(tiny_args(tiny, tmp_path / "b", beta=1e-12, **kw))
     assert any(r["train/frac_zero_std"] > 0 for r in train_rows(skipped["run_dir"]))  # there was something to skip
