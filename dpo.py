@@ -715,15 +715,19 @@ def lm_head(model, dtype: torch.dtype) -> dict:
 
 class SampledLogprobs:
     """Last of generate's logits processors (its temperature comes after): the log-prob each token was sampled with,
-    log softmax(scores / T) at the token, read one step later when the token is in input_ids."""
+    scores[token] / T - logsumexp(scores / T), read one step later when the token is in input_ids. Keeps the step's
+    scores (generate's own tensor) and a logsumexp per row, never a log-softmax of the vocabulary."""
 
     def __init__(self, temperature: float):
-        self.temperature, self.last, self.logp = temperature, None, []
+        self.temperature, self.scores, self.lse, self.logp = temperature, None, None, []
+
+    def read(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.scores.gather(1, tokens).float() / self.temperature - self.lse
 
     def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.logp.append(self.last.gather(1, input_ids[:, -1:]))
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self.scores is not None:
+            self.logp.append(self.read(input_ids[:, -1:]))
+        self.scores, self.lse = scores, torch.logsumexp(scores.float() / self.temperature, dim=-1, keepdim=True)
         return scores
 
 
@@ -732,12 +736,14 @@ def sample(model, ids, mask, gen_config) -> tuple[torch.Tensor, torch.Tensor]:
     seen = SampledLogprobs(gen_config.temperature)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen])
     completion_ids = out[:, ids.shape[1]:]
-    return completion_ids, torch.cat([*seen.logp, seen.last.gather(1, completion_ids[:, -1:])], dim=1)
+    return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 
 
-def sampler_gap(run, gap_sum, tokens, exact: bool) -> float:
+def sampler_gap(run, gap_sum, tokens) -> float:
     """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
-    a gap beyond float rounding (1e-3; 0.25 under bfloat16) stops the run: the update would be silently off-policy."""
+    a gap beyond float rounding stops the run (the update would be silently off-policy): 1e-3 with float32 weights and
+    no autocast; 0.25 with bfloat16 (a margin, not a GPU measurement: bf16 weights on CPU give ~1e-3)."""
+    exact = run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda")
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
     gap, tolerance = float(total[0] / total[1].clamp(min=1)), 1e-3 if exact else 0.25
     if not getattr(run, "sampler_checked", False) and gap > tolerance:

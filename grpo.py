@@ -586,7 +586,6 @@ def main(args: Args) -> dict:
     if run.ddp:
         policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
-    exact = args.dtype == "float32" or (args.dtype == "auto" and device.type != "cuda")  # float32, no autocast
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
@@ -658,7 +657,7 @@ def main(args: Args) -> dict:
             # 4c. mu updates on this batch: the clipped loss per token (Eq. 3), aggregated per --loss-type.
             sums, grad_norm = grpo_update(policy, optimizer, chunks, args, reference,
                                           (int(run.gather(mask.sum()[None]).sum()), int(mask.sum())), world, autocast)
-            gap = sampler_gap(run, sums["sampler_gap"], sums["sampler_tokens"], exact)  # stops a mismatch at once
+            gap = sampler_gap(run, sums["sampler_gap"], sums["sampler_tokens"])  # stops a mismatch at once
             lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
             scheduler.step()
             timing["train"] += time.perf_counter() - t_train
@@ -741,15 +740,19 @@ def lm_head(model, dtype: torch.dtype) -> dict:
 
 class SampledLogprobs:
     """Last of generate's logits processors (its temperature comes after): the log-prob each token was sampled with,
-    log softmax(scores / T) at the token, read one step later when the token is in input_ids."""
+    scores[token] / T - logsumexp(scores / T), read one step later when the token is in input_ids. Keeps the step's
+    scores (generate's own tensor) and a logsumexp per row, never a log-softmax of the vocabulary."""
 
     def __init__(self, temperature: float):
-        self.temperature, self.last, self.logp = temperature, None, []
+        self.temperature, self.scores, self.lse, self.logp = temperature, None, None, []
+
+    def read(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.scores.gather(1, tokens).float() / self.temperature - self.lse
 
     def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.logp.append(self.last.gather(1, input_ids[:, -1:]))
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self.scores is not None:
+            self.logp.append(self.read(input_ids[:, -1:]))
+        self.scores, self.lse = scores, torch.logsumexp(scores.float() / self.temperature, dim=-1, keepdim=True)
         return scores
 
 
@@ -758,12 +761,14 @@ def sample(model, ids, mask, gen_config) -> tuple[torch.Tensor, torch.Tensor]:
     seen = SampledLogprobs(gen_config.temperature)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen])
     completion_ids = out[:, ids.shape[1]:]
-    return completion_ids, torch.cat([*seen.logp, seen.last.gather(1, completion_ids[:, -1:])], dim=1)
+    return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 
 
-def sampler_gap(run, gap_sum, tokens, exact: bool) -> float:
+def sampler_gap(run, gap_sum, tokens) -> float:
     """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
-    a gap beyond float rounding (1e-3; 0.25 under bfloat16) stops the run: the update would be silently off-policy."""
+    a gap beyond float rounding stops the run (the update would be silently off-policy): 1e-3 with float32 weights and
+    no autocast; 0.25 with bfloat16 (a margin, not a GPU measurement: bf16 weights on CPU give ~1e-3)."""
+    exact = run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda")
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
     gap, tolerance = float(total[0] / total[1].clamp(min=1)), 1e-3 if exact else 0.25
     if not getattr(run, "sampler_checked", False) and gap > tolerance:

@@ -228,7 +228,7 @@ class Args:
     warmup_ratio: float = 0.0
     """warmup as a share of --total-steps, used when --warmup-steps is 0 (as transformers' Trainer)"""
     lr_step_size: int = 100
-    """step: steps between decays; cyclic: steps of the rising half-cycle"""
+    """steps between decays (step), of the rising half-cycle (cyclic), of a cycle (cosineannealing_warm_restarts)"""
     lr_decay: float = 0.5
     """step, multistep, exponential: the lr factor of each decay; reduce_on_plateau: the factor on a plateau"""
     lr_milestones: tuple[int, ...] = (200, 300)
@@ -363,8 +363,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """Whiten x over its real entries: (x - mean) / sqrt(var + 1e-8), with the unbiased variance (as TRL; N+,
-    arXiv:2403.17031, uses the biased one); shift_mean=False adds the mean back (only the scale changes). Padding (mask 0) does not move
-    the mean or the std, and comes out as 0. x, mask: [B, T] -> [B, T]."""
+    arXiv:2403.17031, uses the biased one); shift_mean=False adds the mean back (only the scale changes). Padding
+    (mask 0) does not move the mean or the std, and comes out as 0. x, mask: [B, T] -> [B, T]."""
     mean = masked_mean(x, mask)
     n = mask.sum()
     var = masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1.0)
@@ -641,9 +641,10 @@ def micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torc
 
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
-    """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token, recomputed
-    rather than taken from `generate`'s scores (N+ takes them from there). actor_critic: (ids, attention, prompt width, T) -> (logp, entropy,
-    values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp", "ref_logp", "old_values"."""
+    """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token, recomputed rather
+    than taken from `generate`'s scores (N+ takes them from there). actor_critic: (ids, attention, prompt width, T)
+    -> (logp, entropy, values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp",
+    "ref_logp", "old_values"."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -748,8 +749,7 @@ def ppo_step(actor_critic, optimizer, batch: dict, ref_model, kl_ctl: KLControll
     batch = old_logprobs_and_values(actor_critic.module if run.ddp else actor_critic, ref_model, batch, micro, args,
                                     autocast)
     gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * batch["completion_mask"]).sum(),
-                      batch["completion_mask"].sum(), args.dtype == "float32" or (args.dtype == "auto" and
-                                                                                   run.device.type != "cuda"))
+                      batch["completion_mask"].sum())
     kl_coef = kl_ctl.value
     batch.update(compute_advantages(batch, kl_coef, args))
     stats = ppo_update(actor_critic, optimizer, batch, micro, args, *(g["params"] for g in optimizer.param_groups),
@@ -1129,15 +1129,19 @@ def lm_head(model, dtype: torch.dtype) -> dict:
 
 class SampledLogprobs:
     """Last of generate's logits processors (its temperature comes after): the log-prob each token was sampled with,
-    log softmax(scores / T) at the token, read one step later when the token is in input_ids."""
+    scores[token] / T - logsumexp(scores / T), read one step later when the token is in input_ids. Keeps the step's
+    scores (generate's own tensor) and a logsumexp per row, never a log-softmax of the vocabulary."""
 
     def __init__(self, temperature: float):
-        self.temperature, self.last, self.logp = temperature, None, []
+        self.temperature, self.scores, self.lse, self.logp = temperature, None, None, []
+
+    def read(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.scores.gather(1, tokens).float() / self.temperature - self.lse
 
     def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.logp.append(self.last.gather(1, input_ids[:, -1:]))
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self.scores is not None:
+            self.logp.append(self.read(input_ids[:, -1:]))
+        self.scores, self.lse = scores, torch.logsumexp(scores.float() / self.temperature, dim=-1, keepdim=True)
         return scores
 
 
@@ -1146,12 +1150,14 @@ def sample(model, ids, mask, gen_config) -> tuple[torch.Tensor, torch.Tensor]:
     seen = SampledLogprobs(gen_config.temperature)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen])
     completion_ids = out[:, ids.shape[1]:]
-    return completion_ids, torch.cat([*seen.logp, seen.last.gather(1, completion_ids[:, -1:])], dim=1)
+    return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 
 
-def sampler_gap(run, gap_sum, tokens, exact: bool) -> float:
+def sampler_gap(run, gap_sum, tokens) -> float:
     """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
-    a gap beyond float rounding (1e-3; 0.25 under bfloat16) stops the run: the update would be silently off-policy."""
+    a gap beyond float rounding stops the run (the update would be silently off-policy): 1e-3 with float32 weights and
+    no autocast; 0.25 with bfloat16 (a margin, not a GPU measurement: bf16 weights on CPU give ~1e-3)."""
+    exact = run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda")
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
     gap, tolerance = float(total[0] / total[1].clamp(min=1)), 1e-3 if exact else 0.25
     if not getattr(run, "sampler_checked", False) and gap > tolerance:

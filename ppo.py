@@ -210,8 +210,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """Whiten x over its real entries: (x - mean) / sqrt(var + 1e-8), with the unbiased variance (as TRL; N+,
-    arXiv:2403.17031, uses the biased one); shift_mean=False adds the mean back (only the scale changes). Padding (mask 0) does not move
-    the mean or the std, and comes out as 0. x, mask: [B, T] -> [B, T]."""
+    arXiv:2403.17031, uses the biased one); shift_mean=False adds the mean back (only the scale changes). Padding
+    (mask 0) does not move the mean or the std, and comes out as 0. x, mask: [B, T] -> [B, T]."""
     mean = masked_mean(x, mask)
     n = mask.sum()
     var = masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1.0)
@@ -530,9 +530,10 @@ def micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torc
 
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
-    """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token, recomputed
-    rather than taken from `generate`'s scores (N+ takes them from there). actor_critic: (ids, attention, prompt width, T) -> (logp, entropy,
-    values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp", "ref_logp", "old_values"."""
+    """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token, recomputed rather
+    than taken from `generate`'s scores (N+ takes them from there). actor_critic: (ids, attention, prompt width, T)
+    -> (logp, entropy, values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp",
+    "ref_logp", "old_values"."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -747,7 +748,6 @@ def main(args: Args) -> dict:
         actor_critic = torch.nn.parallel.DistributedDataParallel(
             actor_critic, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
-    exact = args.dtype == "float32" or (args.dtype == "auto" and device.type != "cuda")  # float32, no autocast
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
@@ -815,7 +815,7 @@ def main(args: Args) -> dict:
             # 4b. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients.
             batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast)
             gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * batch["completion_mask"]).sum(),
-                              batch["completion_mask"].sum(), exact)  # stops a sampler/trainer mismatch at once
+                              batch["completion_mask"].sum())  # stops a sampler/trainer mismatch at once
             # 4c. Per-token rewards (-beta KL_t, the score at the last token), GAE, whitened advantages.
             kl_coef = kl_ctl.value
             batch.update(compute_advantages(batch, kl_coef, args))
@@ -891,15 +891,19 @@ def lm_head(model, dtype: torch.dtype) -> dict:
 
 class SampledLogprobs:
     """Last of generate's logits processors (its temperature comes after): the log-prob each token was sampled with,
-    log softmax(scores / T) at the token, read one step later when the token is in input_ids."""
+    scores[token] / T - logsumexp(scores / T), read one step later when the token is in input_ids. Keeps the step's
+    scores (generate's own tensor) and a logsumexp per row, never a log-softmax of the vocabulary."""
 
     def __init__(self, temperature: float):
-        self.temperature, self.last, self.logp = temperature, None, []
+        self.temperature, self.scores, self.lse, self.logp = temperature, None, None, []
+
+    def read(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.scores.gather(1, tokens).float() / self.temperature - self.lse
 
     def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.logp.append(self.last.gather(1, input_ids[:, -1:]))
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self.scores is not None:
+            self.logp.append(self.read(input_ids[:, -1:]))
+        self.scores, self.lse = scores, torch.logsumexp(scores.float() / self.temperature, dim=-1, keepdim=True)
         return scores
 
 
@@ -908,12 +912,14 @@ def sample(model, ids, mask, gen_config) -> tuple[torch.Tensor, torch.Tensor]:
     seen = SampledLogprobs(gen_config.temperature)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen])
     completion_ids = out[:, ids.shape[1]:]
-    return completion_ids, torch.cat([*seen.logp, seen.last.gather(1, completion_ids[:, -1:])], dim=1)
+    return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 
 
-def sampler_gap(run, gap_sum, tokens, exact: bool) -> float:
+def sampler_gap(run, gap_sum, tokens) -> float:
     """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
-    a gap beyond float rounding (1e-3; 0.25 under bfloat16) stops the run: the update would be silently off-policy."""
+    a gap beyond float rounding stops the run (the update would be silently off-policy): 1e-3 with float32 weights and
+    no autocast; 0.25 with bfloat16 (a margin, not a GPU measurement: bf16 weights on CPU give ~1e-3)."""
+    exact = run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda")
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
     gap, tolerance = float(total[0] / total[1].clamp(min=1)), 1e-3 if exact else 0.25
     if not getattr(run, "sampler_checked", False) and gap > tolerance:

@@ -3,7 +3,6 @@ generation fields its Instruct release ships: a few steps train, LoRA finds its 
 passes, and the log-probs are those of the model's own logits (Gemma 2 soft-caps them)."""
 import importlib
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -110,7 +109,3 @@ def test_dpo_log_probs_are_of_gemma2s_soft_capped_logits(families):
         packed = dpo.packed_logprobs(model, *dpo.pack_pairs(pairs, pad_id=0))
     assert plain.double().tolist() == pytest.approx(want, abs=1e-5)
     assert packed.double().tolist() == pytest.approx(want, abs=1e-5)
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))

@@ -269,7 +269,8 @@ def test_missing_splits_are_named_together_with_the_flags_that_fix_them(tiny, tm
         fixes.append("--dataset-split train")
     assert str(e.value).startswith("split not found: ") and all(fix in str(e.value) for fix in fixes), str(e.value)
     flags = {"dataset_split": "train", **dict.fromkeys(evals, None)}
-    assert module(script).main(tiny_args(script, tiny, tmp_path / "out", dataset=str(data), total_steps=1, **flags))
+    assert module(script).main(tiny_args(script, tiny, tmp_path / "out", dataset=str(data), total_steps=1,
+                                         **flags))["step"] == 1
 
 
 def test_an_eval_split_without_the_columns_names_the_column_flags_and_none(tiny, tmp_path):
