@@ -53,6 +53,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from kernels import clipped_policy_loss, linear_token_logprobs
+from kernels.torch_ref import kl_estimate
 from rewards import DEFAULT_SPEC, make_reward
 
 
@@ -115,6 +116,8 @@ class Args:
     """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
     scale_rewards: Literal["group", "batch", "none"] = "none"
     """divide advantages by the std of the group (GRPO), of the batch, or not at all (Dr.GRPO)"""
+    baseline: Literal["mean", "rloo"] = "mean"
+    """subtract the group's mean reward, or the mean of the other G - 1 (RLOO's leave-one-out)"""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill them from fresh prompts"""
     max_resample_rounds: int = 4
@@ -131,8 +134,14 @@ class Args:
     """epsilon_low: the ratio is clipped below at 1 - clip_low"""
     clip_high: float = 0.2
     """epsilon_high: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)"""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
-    """token aggregation: per-sequence mean, micro-batch token mean, constant normaliser, step token mean"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
+    """aggregation: sequence mean, process token mean, constant, step token mean; cispo: CISPO's loss, step token mean"""
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
+    """ratio per token (GRPO), one length-normalised ratio per completion (GSPO), or GSPO-token"""
+    delta: Optional[float] = None
+    """two-sided clipping: cap on the ratio of tokens with negative advantage (INTELLECT-2; None: off)"""
+    top_entropy_quantile: float = 1.0
+    """rho: policy gradient only on the batch's top-rho fraction of tokens by entropy (1: all tokens)"""
 
     # --- optimisation
     learning_rate: float = 1e-4
@@ -174,15 +183,18 @@ class Args:
 # ---- the algorithm
 
 
-def group_advantages(rewards: torch.Tensor, scale: str) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, scale: str, baseline: str = "mean") -> torch.Tensor:
     """Group-relative advantages (Sec. 4.1.2 of arXiv:2402.03300); `none` is Dr.GRPO (arXiv:2503.20783).
 
     rewards: [P, G], G completions of each of P prompts -> advantages [P, G] float32:
-    r - mean(group), divided by std(group) + 1e-4 ("group"), std(all P*G rewards) + 1e-4 ("batch")
-    or nothing ("none"). A group whose rewards are all equal gets exactly 0, never NaN.
+    r_i - mean(group), or with baseline "rloo" r_i - mean of the other G - 1 = G / (G - 1) (r_i - mean(group))
+    (RLOO, Sec. 3.3 of arXiv:2402.14740), divided by std(group) + 1e-4 ("group"), std(all P*G rewards) + 1e-4
+    ("batch") or nothing ("none"). A group whose rewards are all equal gets exactly 0, never NaN.
     """
     rewards = rewards.float()
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
+    if baseline == "rloo":
+        advantages = advantages * rewards.shape[1] / (rewards.shape[1] - 1)
     if scale == "group":
         advantages = advantages / (rewards.std(dim=1, keepdim=True) + 1e-4)
     elif scale == "batch":
@@ -221,7 +233,7 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: 
         grpo     mean over sequences of each sequence's token mean   (the 1/|o_i| of Eq. 3, arXiv:2402.03300)
         bnpo     mean over processes of each process's token mean over its whole batch (TRL's: local tokens)
         dr_grpo  token sum / (num_sequences x max_completion_length)  (arXiv:2503.20783, Sec. 3)
-        dapo     token sum / num_tokens: one token mean over the step (arXiv:2503.14476, Sec. 3.3)
+        dapo     token sum / num_tokens: one token mean over the step (arXiv:2503.14476, Sec. 3.3); cispo too
 
     per_token_loss, mask: [B, T]; num_sequences, num_tokens: completions and masked tokens in the
     whole step (all micro-batches and processes); local_tokens: this process's, of `world` -> scalar.
@@ -234,9 +246,44 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: 
         return masked.sum() / max(local_tokens, 1) / world
     if loss_type == "dr_grpo":
         return masked.sum() / (num_sequences * max_completion_length)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return masked.sum() / max(num_tokens, 1)
-    raise ValueError(f"unknown loss type {loss_type!r}: choose grpo, bnpo, dr_grpo or dapo")
+    raise ValueError(f"unknown loss type {loss_type!r}: choose grpo, bnpo, dr_grpo, dapo or cispo")
+
+
+def policy_loss(logp, old_logp, advantages, mask, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token policy-gradient loss of the GRPO family (before the KL term and the aggregation).
+
+    logp, old_logp, mask: [B, T]; advantages: [B, 1] -> (loss [B, T], clipped [B, T]: 1 where the clip zeroes the
+    token's gradient, or under cispo caps its weight). The ratio x, by --importance-sampling-level:
+        token           x_it = pi(o_it) / pi_old(o_it)                    GRPO, Eq. 3 of arXiv:2402.03300
+        sequence        x_it = s_i = exp(1/|o_i| sum_t log x_it)           GSPO, Eq. 7 of arXiv:2507.18071
+        sequence_token  x_it = sg[s_i] pi(o_it) / sg[pi(o_it)]           GSPO-token, Eq. 14 (s_i's value, per-token grad)
+    then, by --loss-type (sg: stop-gradient; delta: two-sided clipping, Sec. 3.2 of arXiv:2505.07291),
+        grpo bnpo dr_grpo dapo  -min(min(x, delta) A, clip(x, 1 - eps_low, 1 + eps_high) A)   Eq. 3; GSPO Eq. 5
+        cispo                   -sg[min(x, 1 + eps_high)] A log pi(o_it)   CISPO, Eq. 4-5 of arXiv:2506.13585 (no lower
+                                bound on the weight: MiniMax-M1 sets eps_low large)
+    Token-level clip losses without delta take kernels.clipped_policy_loss instead (fused on GPU, same numbers).
+    """
+    log_ratio = logp - old_logp
+    if args.importance_sampling_level != "token":
+        seq = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        log_ratio = (seq.expand_as(logp) if args.importance_sampling_level == "sequence"
+                     else logp - logp.detach() + seq.detach())
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    if args.loss_type == "cispo":
+        return -ratio.clamp(max=1 + args.clip_high).detach() * advantages * logp, (ratio > 1 + args.clip_high).float()
+    unclipped = (ratio if args.delta is None else ratio.clamp(max=args.delta)) * advantages
+    clipped = ratio.clamp(1 - args.clip_low, 1 + args.clip_high) * advantages
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def high_entropy_tokens(entropy: list[torch.Tensor], masks: list[torch.Tensor], rho: float) -> list[torch.Tensor]:
+    """"Beyond the 80/20 rule" (arXiv:2506.01939, Sec. 4): the tokens whose entropy H_it >= tau, the (1 - rho)-quantile
+    of the entropies of all the batch's loss tokens. entropy, masks: [B_k, T_k] per micro-batch -> keep [B_k, T_k] bool."""
+    pooled = torch.cat([h[m > 0] for h, m in zip(entropy, masks)]).float()
+    tau = torch.quantile(pooled, 1 - rho) if len(pooled) else 0.0
+    return [h >= tau for h in entropy]
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
@@ -466,6 +513,13 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
     --loss-type. pi_old's log-probs are the first update's (the weights have not moved yet)."""
     sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "sampler_tokens"), 0.0)
     ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
+    fused = args.loss_type != "cispo" and args.importance_sampling_level == "token" and args.delta is None
+    if args.top_entropy_quantile < 1:  # one more forward pass: the entropies of the whole batch, before any update
+        with torch.no_grad(), autocast:
+            entropy = [(policy.module if ddp else policy)(mb["ids"], mb["attention"], mb["prompt_width"],
+                                                          args.temperature)[1] for mb in chunks]
+        for mb, keep in zip(chunks, high_entropy_tokens(entropy, [mb["mask"] for mb in chunks], args.top_entropy_quantile)):
+            mb["keep"] = keep
     for iteration in range(args.num_iterations):
         for k, mb in enumerate(chunks):
             with (policy.no_sync() if ddp and k < len(chunks) - 1 else torch.enable_grad()), autocast:
@@ -477,9 +531,16 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
                     if reference is not None:
                         with torch.no_grad():
                             mb["ref_logp"] = reference(mb)
-                per_token, kl, clipped = clipped_policy_loss(
-                    logp, mb["old_logp"], mb["advantages"], ref_logp=mb.get("ref_logp"), clip_low=args.clip_low,
-                    clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
+                if fused:
+                    per_token, kl, clipped = clipped_policy_loss(
+                        logp, mb["old_logp"], mb["advantages"], ref_logp=mb.get("ref_logp"), clip_low=args.clip_low,
+                        clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
+                else:
+                    per_token, clipped = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"], args)
+                    kl = kl_estimate(logp, mb["ref_logp"], args.kl_estimator) if "ref_logp" in mb else 0 * logp.detach()
+                    per_token = per_token + args.beta * kl
+                if "keep" in mb:  # the policy gradient of high-entropy tokens only; the KL penalty stays on every token
+                    per_token = torch.where(mb["keep"], per_token, args.beta * kl)
                 loss = aggregate_loss(per_token, mb["mask"], args.loss_type, num_sequences=args.prompts_per_step *
                                       args.num_generations, num_tokens=tokens[0], local_tokens=tokens[1], world=world,
                                       max_completion_length=args.max_completion_length)
@@ -523,6 +584,12 @@ def check_args(args: Args) -> int:
     if args.beta < 0 or not (0 <= args.clip_low <= 1) or args.clip_high < 0:
         raise ValueError(f"need --beta >= 0, 0 <= --clip-low <= 1 and --clip-high >= 0, got {args.beta}, "
                          f"{args.clip_low}, {args.clip_high}")
+    if args.delta is not None and (args.delta <= 1 + args.clip_high or args.loss_type == "cispo"):
+        raise ValueError(f"--delta {args.delta} caps the ratio of negative-advantage tokens: it needs a clip loss type "
+                         f"and a value above 1 + --clip-high = {1 + args.clip_high} (INTELLECT-2 uses 4), or --delta None")
+    if not 0 < args.top_entropy_quantile <= 1:
+        raise ValueError(f"--top-entropy-quantile must be in (0, 1], got {args.top_entropy_quantile}: it is the fraction "
+                         f"of tokens, highest entropy first, that get a policy gradient (0.2 in arXiv:2506.01939)")
     if args.lora_r:
         try:
             import peft  # noqa: F401
@@ -651,7 +718,7 @@ def main(args: Args) -> dict:
             t_train = time.perf_counter()
             # 4b. Group-relative advantages over the global batch; this process keeps its own rows.
             rewards = run.gather(batch["rewards"]["total"].to(device)).view(-1, G)
-            advantages = group_advantages(rewards, args.scale_rewards).view(-1)[rank * groups * G:][: groups * G]
+            advantages = group_advantages(rewards, args.scale_rewards, args.baseline).view(-1)[rank * groups * G:][: groups * G]
             mask = loss_mask(batch["completion_mask"], batch["truncated"], args.mask_truncated_completions)
             chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0)
             # 4c. mu updates on this batch: the clipped loss per token (Eq. 3), aggregated per --loss-type.

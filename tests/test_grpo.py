@@ -7,6 +7,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,6 +127,90 @@ def test_clipped_loss_with_kl_matches_eq3_in_float64(kl_estimator):
     assert clipped.sum() > 0  # the example does exercise clipping
 
 
+def test_rloo_advantages_against_float64_reference():
+    """RLOO (arXiv:2402.14740): each completion's reward minus the mean of the other G - 1, then the chosen scaling."""
+    rows = [[1.2, -0.3, -0.5, 1.2], [0.1, 0.1, 0.1, 0.1], [1.0, 0.0, 0.5, -2.0]]
+    loo = [[0.0 if len(set(row)) == 1 else r - statistics.fmean(row[:i] + row[i + 1:]) for i, r in enumerate(row)]
+           for row in rows]
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    assert torch.allclose(grpo.group_advantages(torch.tensor(rows), "none", "rloo").double(), f64(loo), atol=1e-6)
+    group = [[a / (statistics.stdev(row) + 1e-4) for a in adv] for adv, row in zip(loo, rows)]
+    assert torch.allclose(grpo.group_advantages(torch.tensor(rows), "group", "rloo").double(), f64(group), atol=1e-5)
+    assert loo[0][1] == pytest.approx(-0.3 - 1.9 / 3)  # by hand: the other three sum to 1.2 - 0.5 + 1.2 = 1.9
+
+POLICY_LOGP = [[-1.0, -0.5, -2.0, -0.4], [-0.1, -3.0, -0.7, -1.0], [-2.0, -0.2, -0.9, -1.1]]
+POLICY_OLD = [[-1.3, -0.5, -1.0, -9.0], [-0.1, -2.0, -0.8, -1.2], [-2.2, -0.1, -0.3, -0.5]]
+POLICY_MASK = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
+POLICY_ADV = [1.5, -0.5, -2.0]
+
+
+def reference_policy_loss(level: str, loss_type: str, clip_low: float, clip_high: float, delta):
+    """Float64, per token and by the chain rule worked out by hand: (loss [i][t], dL/dlogp [i][t]) where
+    L = sum_i 1/|o_i| sum_t loss_it (the grpo aggregation without its 1/G) -- GSPO Eq. 5/7/13/14, CISPO Eq. 4-5,
+    the two-sided clip of INTELLECT-2. Padding tokens get no gradient."""
+    losses, grads = [], []
+    for logp, old, mask, a in zip(POLICY_LOGP, POLICY_OLD, POLICY_MASK, POLICY_ADV):
+        n = sum(mask)
+        s = math.exp(sum(lp - o for lp, o, m in zip(logp, old, mask) if m) / n)  # the sequence's ratio (Eq. 7)
+        row_loss, row_grad = [], []
+        for lp, o, m in zip(logp, old, mask):
+            x = math.exp(lp - o) if level == "token" else s  # the value of the ratio this token is weighted by
+            if loss_type == "cispo":  # -sg[min(x, 1 + eps_high)] A log pi: d/dlogp = -min(x, 1 + eps_high) A
+                w = min(x, 1 + clip_high)
+                loss, d = -w * a * lp, -w * a
+            else:
+                capped = x if delta is None else min(x, delta)
+                unclipped, clipped = capped * a, min(max(x, 1 - clip_low), 1 + clip_high) * a
+                loss = -min(unclipped, clipped)
+                # the gradient flows through the smaller term, and only where its own clamp is not active;
+                # d x / d logp_t = x for the token ratio and GSPO-token, and s / |o_i| per token for GSPO (through
+                # every token's copy of s_i, summed over the n copies and divided by n in L: s / n overall)
+                live = (capped == x) if unclipped < clipped else (1 - clip_low < x < 1 + clip_high)
+                d = -a * x if live else 0.0
+            row_loss.append(loss)
+            row_grad.append(d / n * m)
+        losses.append(row_loss)
+        grads.append(row_grad)
+    return losses, grads
+
+
+@pytest.mark.parametrize("level,loss_type,clip,delta", [
+    ("token", "grpo", (0.2, 0.28), None), ("token", "grpo", (0.2, 0.28), 1.5), ("sequence", "grpo", (0.05, 0.05), None),
+    ("sequence_token", "grpo", (0.05, 0.05), None), ("sequence", "grpo", (0.3, 0.3), 1.02),
+    ("token", "cispo", (0.2, 0.28), None), ("sequence", "cispo", (0.2, 0.02), None)])
+def test_policy_loss_variants_against_float64_reference(level, loss_type, clip, delta):
+    logp = torch.tensor(POLICY_LOGP, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor(POLICY_MASK, dtype=torch.float64)
+    args = SimpleNamespace(importance_sampling_level=level, loss_type=loss_type, clip_low=clip[0], clip_high=clip[1],
+                           delta=delta)
+    loss, clipped = grpo.policy_loss(logp, torch.tensor(POLICY_OLD, dtype=torch.float64),
+                                     torch.tensor(POLICY_ADV, dtype=torch.float64)[:, None], mask, args)
+    ((loss * mask).sum(dim=1) / mask.sum(dim=1)).sum().backward()
+    want_loss, want_grad = reference_policy_loss(level, loss_type, clip[0], clip[1], delta)
+    assert torch.allclose(loss * mask, torch.tensor(want_loss, dtype=torch.float64) * mask, atol=1e-12)
+    assert torch.allclose(logp.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-12)
+    assert 0 < float((clipped * mask).sum()) < float(mask.sum())  # each example clips (or caps) some tokens, not all
+
+
+def test_policy_loss_token_level_equals_the_fused_kernel():
+    """Without delta, grpo.py takes kernels.clipped_policy_loss for token ratios: policy_loss says the same."""
+    logp, old, adv = (torch.tensor(x) for x in (POLICY_LOGP, POLICY_OLD, POLICY_ADV))
+    args = SimpleNamespace(importance_sampling_level="token", loss_type="grpo", clip_low=0.2, clip_high=0.28, delta=None)
+    loss, clipped = grpo.policy_loss(logp, old, adv[:, None], torch.ones_like(logp), args)
+    fused, _, fused_clipped = clipped_policy_loss(logp, old, adv[:, None], clip_low=0.2, clip_high=0.28)
+    assert torch.equal(loss, fused) and torch.equal(clipped, fused_clipped)
+
+
+def test_high_entropy_tokens_pool_the_whole_batch():
+    """Top-rho by entropy over the loss tokens of every micro-batch (padding not counted), whatever the split."""
+    h = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.8, 0.2, 0.6]])
+    m = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1]])  # 7.0 is padding; the 7 loss tokens sorted: .1 .2 .3 .5 .6 .8 .9
+    whole = grpo.high_entropy_tokens([h], [m], 0.5)[0]  # tau = the 0.5-quantile of the 7 = 0.5
+    split = torch.cat(grpo.high_entropy_tokens([h[:1], h[1:]], [m[:1], m[1:]], 0.5))
+    assert torch.equal(whole, split)
+    assert (whole & m.bool()).tolist() == [[False, True, True, False], [False, True, False, True]]
+    assert int((grpo.high_entropy_tokens([h], [m], 2 / 6)[0] & m.bool()).sum()) == 3  # tau = 0.6: .6 .8 .9
+
 def fake_draw(reward_rows: list[list[float]], widths: list[int]):
     """A stand-in for sampling: each call returns the next groups with these rewards and prompt widths."""
     queue = list(zip(reward_rows, widths))
@@ -220,11 +305,13 @@ def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
-def test_ratio_moves_only_after_the_first_update(tiny, tmp_path, num_iterations):
+@pytest.mark.parametrize("level,loss_type", [("token", "grpo"), ("sequence", "grpo"), ("sequence_token", "grpo"),
+                                             ("token", "cispo")])
+def test_ratio_moves_only_after_the_first_update(tiny, tmp_path, num_iterations, level, loss_type):
     """mu = 1: pi_old = pi, the ratio is exactly 1 and nothing is clipped; mu = 2: the second update sees the
-    first one's effect, so with a 0.1% clip range tokens get clipped."""
+    first one's effect, so with a 0.1% clip range tokens get clipped (GSPO: whole completions; CISPO: capped)."""
     out = grpo.main(tiny_args(tiny, tmp_path, num_iterations=num_iterations, clip_low=1e-3, clip_high=1e-3,
-                              learning_rate=1e-2, eval_split=None))
+                              learning_rate=1e-2, eval_split=None, importance_sampling_level=level, loss_type=loss_type))
     clip = [r["train/clip_frac"] for r in train_rows(out["run_dir"])]
     if num_iterations == 1:
         assert clip == [0.0, 0.0]
@@ -255,6 +342,21 @@ def test_skipping_zero_advantage_completions_changes_nothing(tiny, tmp_path, los
     a = load_file(Path(skipped["run_dir"]) / "final" / "model.safetensors")
     b = load_file(Path(kept["run_dir"]) / "final" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.parametrize("variant,same_as", [
+    ({"importance_sampling_level": "sequence"}, {}), ({"importance_sampling_level": "sequence_token"}, {}),
+    ({"delta": 1.5}, {}), ({"loss_type": "cispo"}, {"loss_type": "dapo"}),
+    ({"top_entropy_quantile": 0.3}, None)])
+def test_on_policy_the_variants_reduce_to_grpo_or_dapo(tiny, tmp_path, variant, same_as):
+    """At mu = 1 every ratio is 1: GSPO, GSPO-token and delta give GRPO's gradient (GSPO Sec. 4.3), CISPO gives
+    DAPO's; the high-entropy selection does change it (it drops tokens)."""
+    kw = {"total_steps": 2, "eval_split": None}
+    a = load_file(Path(grpo.main(tiny_args(tiny, tmp_path / "a", **kw, **variant))["run_dir"]) / "final/model.safetensors")
+    b = load_file(Path(grpo.main(tiny_args(tiny, tmp_path / "b", **kw, **(same_as or {})))["run_dir"])
+                  / "final/model.safetensors")
+    same = all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert same == (same_as is not None)
 
 
 def test_resume_with_more_steps_continues_the_lr_decay(tiny, tmp_path):
@@ -317,6 +419,9 @@ def test_learning_on_the_embedded_task(tmp_path):
     ({"reward": "correctness,bogus"}, "unknown reward type 'bogus'"),
     ({"reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),
     ({"prompts_per_step": 3, "num_generations": 4, "micro_batch_size": 8}, "use --micro-batch-size 6"),
+    ({"delta": 1.1}, "above 1 + --clip-high = 1.2"),
+    ({"delta": 4.0, "loss_type": "cispo"}, "it needs a clip loss type"),
+    ({"top_entropy_quantile": 0.0}, "--top-entropy-quantile must be in (0, 1]"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
     with pytest.raises(ValueError) as e:
