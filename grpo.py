@@ -1,4 +1,4 @@
-"""Group Relative Policy Optimization (GRPO) with the Dr.GRPO, DAPO and BNPO loss variants.
+"""Group Relative Policy Optimization (GRPO) and its 2025 family: Dr.GRPO, DAPO, BNPO, GSPO, CISPO, RLOO's baseline.
 
 GRPO (DeepSeekMath, arXiv:2402.03300, Sec. 4): sample G completions o_1..o_G of each prompt q from the
 old policy, score them, and give every token of o_i the group-normalised reward as its advantage,
@@ -7,7 +7,10 @@ then maximise the clipped surrogate minus a KL penalty to a frozen reference (Eq
     J = E[ 1/G sum_i 1/|o_i| sum_t min(rho A_i, clip(rho, 1-eps_low, 1+eps_high) A_i) - beta KL ],
     rho = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t).
 Variants: Dr.GRPO (arXiv:2503.20783) `--scale-rewards none --loss-type dr_grpo`; DAPO (arXiv:2503.14476)
-`--clip-high 0.28 --dynamic-sampling --mask-truncated-completions --loss-type dapo`; `--loss-type bnpo`.
+`--clip-high 0.28 --dynamic-sampling --mask-truncated-completions --loss-type dapo`; `--loss-type bnpo`; GSPO
+(arXiv:2507.18071) `--importance-sampling-level sequence` or `sequence_token`; CISPO (arXiv:2506.13585) `--loss-type
+cispo`; RLOO's leave-one-out baseline `--baseline rloo`; two-sided clipping `--delta 4`; the policy gradient on
+high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`. Their equations: `policy_loss`.
 
 Run:
     python grpo.py                                                # models/tiny-arith on data/arith, CPU
