@@ -21,7 +21,8 @@ Run:
 
 Deviations (why, and the measurements: docs/grpo.md):
 - Defaults fit the 0.9M-parameter embedded model: unscaled advantages (`--scale-rewards none`), 64 prompts
-  x 8 completions a step at lr 1e-4 with warmup and cosine decay, temperature 0.7, beta 0.
+  x 8 completions a step, two updates on each (mu = 2), 250 steps at lr 1e-4 with warmup and cosine decay,
+  temperature 0.7, beta 0.
 - With beta = 0, completions whose advantage is 0 skip the forward and backward pass (their loss and gradient
   are exactly 0; the normalisers still count them), except under bnpo.
 - Completions are sorted by length into micro-batches, each padded to its own longest.
@@ -131,7 +132,7 @@ class Args:
     """KL coefficient to the frozen reference model (0: no reference model is kept)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html (k3: Eq. 4)"""
-    num_iterations: int = 1
+    num_iterations: int = 2
     """mu, optimiser updates on each batch of completions (ratio != 1 from the second on)"""
     clip_low: float = 0.2
     """epsilon_low: the ratio is clipped below at 1 - clip_low"""
@@ -149,7 +150,7 @@ class Args:
     # --- optimisation
     learning_rate: float = 1e-4
     """peak learning rate of AdamW"""
-    total_steps: int = 500
+    total_steps: int = 250
     """training steps (batches of completions); may change on --resume (the lr decay then ends at the new last step)"""
     micro_batch_size: int = 0
     """completions per forward/backward pass, gradients accumulated over the batch (0: largest divisor up to 128)"""

@@ -25,7 +25,7 @@ def tiny_args(tiny, tmp_path, **kw) -> grpo.Args:
     base = grpo.Args(model_name_or_path=str(tiny / "model"), dataset=str(tiny / "data"), output_dir=str(tmp_path),
                      reward="capitalization", total_steps=2, num_generations=4, prompts_per_step=2,
                      micro_batch_size=4, max_completion_length=8, eval_limit=4, eval_every=0, warmup_steps=0,
-                     learning_rate=3e-3)
+                     learning_rate=3e-3, num_iterations=1)
     return replace(base, **kw)
 
 
@@ -403,7 +403,7 @@ def test_learning_on_the_embedded_task(tmp_path):
     reward of steps 141-160 beats that of steps 1-20 by a wide margin (measured: 0.10 -> 0.30;
     the per-step mean over 512 completions has a standard error near 0.02). About 2-3 minutes on 2 cores.
     """
-    out = grpo.main(grpo.Args(output_dir=str(tmp_path), total_steps=160, eval_split=None))
+    out = grpo.main(grpo.Args(output_dir=str(tmp_path), total_steps=160, eval_split=None, num_iterations=1))
     rewards = [r["train/reward"] for r in train_rows(out["run_dir"])]
     assert len(rewards) == 160
     assert statistics.fmean(rewards[-20:]) > statistics.fmean(rewards[:20]) + 0.1
