@@ -500,3 +500,18 @@ def test_completion_logprobs_are_of_the_models_own_logits_whatever_its_head(name
     want = torch.log_softmax(logits / 0.7, dim=-1)[:, 3:-1].gather(-1, ids[:, 4:, None])[..., 0]
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     assert (plain - want).abs().max() > 1e-2  # the plain matmul would be wrong for this model
+
+
+def test_variants_benchmark_runs_and_tabulates(tmp_path):
+    """benchmarks/grpo_variants.py end to end at a toy budget: a row per variant with each seed's accuracy, and the plot."""
+    plot = tmp_path / "curves.png"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grpo_variants.py"), "--variants", "grpo", "gspo",
+                           "--seeds", "1", "--jobs", "2", "--output-dir", str(tmp_path / "runs"), "--plot", str(plot),
+                           "--", "--total-steps", "2", "--prompts-per-step", "2", "--num-generations", "2",
+                           "--eval-limit", "8", "--warmup-steps", "1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| g")}
+    assert set(rows) == {"grpo", "gspo"} and "--importance-sampling-level sequence" in rows["gspo"]
+    assert plot.stat().st_size > 0
+    assert len(list((tmp_path / "runs").glob("*__gspo__1__*/final/model.safetensors"))) == 1
