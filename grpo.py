@@ -139,7 +139,8 @@ class Args:
     clip_high: float = 0.2
     """epsilon_high: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
-    """aggregation: sequence mean, process token mean, constant, step token mean; cispo: CISPO's loss, step token mean"""
+    """aggregation: sequence mean, process token mean, constant, step token mean; cispo: CISPO's loss (weight capped at
+    1 + clip_high, --clip-low unused), step token mean"""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
     """ratio per token (GRPO), one length-normalised ratio per completion (GSPO), or GSPO-token"""
     delta: Optional[float] = None
@@ -192,7 +193,7 @@ def group_advantages(rewards: torch.Tensor, scale: str, baseline: str = "mean") 
 
     rewards: [P, G], G completions of each of P prompts -> advantages [P, G] float32:
     r_i - mean(group), or with baseline "rloo" r_i - mean of the other G - 1 = G / (G - 1) (r_i - mean(group))
-    (RLOO, Sec. 3.3 of arXiv:2402.14740), divided by std(group) + 1e-4 ("group"), std(all P*G rewards) + 1e-4
+    (RLOO, arXiv:2402.14740), divided by std(group) + 1e-4 ("group"), std(all P*G rewards) + 1e-4
     ("batch") or nothing ("none"). A group whose rewards are all equal gets exactly 0, never NaN.
     """
     rewards = rewards.float()
@@ -263,7 +264,7 @@ def policy_loss(logp, old_logp, advantages, mask, args) -> tuple[torch.Tensor, t
         token           x_it = pi(o_it) / pi_old(o_it)                    GRPO, Eq. 3 of arXiv:2402.03300
         sequence        x_it = s_i = exp(1/|o_i| sum_t log x_it)           GSPO, Eq. 7 of arXiv:2507.18071
         sequence_token  x_it = sg[s_i] pi(o_it) / sg[pi(o_it)]           GSPO-token, Eq. 14 (s_i's value, per-token grad)
-    then, by --loss-type (sg: stop-gradient; delta: two-sided clipping, Sec. 3.2 of arXiv:2505.07291),
+    then, by --loss-type (sg: stop-gradient; delta: two-sided clipping of INTELLECT-2, arXiv:2505.07291),
         grpo bnpo dr_grpo dapo  -min(min(x, delta) A, clip(x, 1 - eps_low, 1 + eps_high) A)   Eq. 3; GSPO Eq. 5
         cispo                   -sg[min(x, 1 + eps_high)] A log pi(o_it)   CISPO, Eq. 4-5 of arXiv:2506.13585 (no lower
                                 bound on the weight: MiniMax-M1 sets eps_low large)
@@ -283,7 +284,7 @@ def policy_loss(logp, old_logp, advantages, mask, args) -> tuple[torch.Tensor, t
 
 
 def high_entropy_tokens(entropy: list[torch.Tensor], masks: list[torch.Tensor], rho: float) -> list[torch.Tensor]:
-    """"Beyond the 80/20 rule" (arXiv:2506.01939, Sec. 4): the tokens whose entropy H_it >= tau, the (1 - rho)-quantile
+    """"Beyond the 80/20 rule" (arXiv:2506.01939): the tokens whose entropy H_it >= tau, the (1 - rho)-quantile
     of the entropies of all the batch's loss tokens. entropy, masks: [B_k, T_k] per micro-batch -> keep [B_k, T_k] bool."""
     pooled = torch.cat([h[m > 0] for h, m in zip(entropy, masks)]).float()
     tau = torch.quantile(pooled, 1 - rho) if len(pooled) else 0.0
@@ -590,7 +591,7 @@ def check_args(args: Args) -> int:
                          f"{args.clip_low}, {args.clip_high}")
     if args.delta is not None and (args.delta <= 1 + args.clip_high or args.loss_type == "cispo"):
         raise ValueError(f"--delta {args.delta} caps the ratio of negative-advantage tokens: it needs a clip loss type "
-                         f"and a value above 1 + --clip-high = {1 + args.clip_high} (INTELLECT-2 uses 4), or --delta None")
+                         f"and a value above 1 + --clip-high = {1 + args.clip_high}, e.g. --delta 4, or --delta None")
     if not 0 < args.top_entropy_quantile <= 1:
         raise ValueError(f"--top-entropy-quantile must be in (0, 1], got {args.top_entropy_quantile}: it is the fraction "
                          f"of tokens, highest entropy first, that get a policy gradient (0.2 in arXiv:2506.01939)")
