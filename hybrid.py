@@ -151,6 +151,9 @@ class Args:
     """nucleus sampling threshold (1: off)"""
     top_k: int = 0
     """sample among the k most likely tokens (0: off)"""
+    generation_backend: Literal["shared", "generate", "static", "paged"] = "shared"
+    """how completions are sampled: shared (generate, each group's prompt prefilled once; fastest on CPU), generate,
+    static (static KV cache, compiled on CUDA), paged (continuous batching); see docs/ppo.md"""
     reward: str = DEFAULT_REWARD
     """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file (also the {"REWARD": ...} form)"""
     missing_eos_penalty: float = 0.0
@@ -598,13 +601,14 @@ class DataOrder:
 
 
 @torch.no_grad()
-def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, eos_ids, reward, autocast, timing: dict) -> dict:
+def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: str, eos_ids, reward, autocast,
+            timing: dict) -> dict:
     """Step 1 for the prompts `rows` (Sec. 2 of arXiv:1909.08593): sample (one batched generate with the KV cache)
     and score. data: {"ids", "prompts", "texts", "columns"} of the split -> the rollout batch."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
-        completion_ids, sampler_logp = sample(model, ids, mask, gen_config)
+        completion_ids, sampler_logp = sample(model, ids, mask, gen_config, backend)
     t1 = time.perf_counter()
     c_mask, truncated = completion_mask(completion_ids, eos_ids)
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -1055,7 +1059,7 @@ def main(args: Args) -> dict:
                     args.sft_batch_size)], run, sft_micro, tokenizer.pad_token_id, args.max_grad_norm, autocast)
             else:
                 batch = rollout(raw_model, tokenizer, data, [i for i in order.draw(groups) for _ in range(G)],
-                                gen_config, eos_tensor, reward, autocast, timing)
+                                gen_config, args.generation_backend, eos_tensor, reward, autocast, timing)
                 t_train = time.perf_counter()
                 batch, metrics = ppo_step(actor_critic, optimizer, batch, ref_model, kl_ctl, run, args, micro, autocast)
                 n_tokens = int(batch["attention"].sum()) * world
@@ -1145,10 +1149,39 @@ class SampledLogprobs:
         return scores
 
 
-def sample(model, ids, mask, gen_config) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batched generate -> the completions [B, Tc] and the log-probs the sampler drew them with [B, Tc]."""
-    seen = SampledLogprobs(gen_config.temperature)
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen])
+def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched sampling call on left-padded prompts -> the completions [B, Tc] (padded after EOS) and the log-probs
+    the sampler drew them with [B, Tc]. --generation-backend: generate (transformers' generate, dynamic KV cache);
+    shared (the same, but each run of identical rows, a group, is prefilled once and its cache repeated); static (a
+    static KV cache: on CUDA transformers compiles the decode step, CUDA graphs); paged (continuous batching,
+    generate_batch: paged attention, prompt blocks shared, the sampler's own log-probs)."""
+    from transformers import ContinuousBatchingConfig, DynamicCache  # only the sampling scripts get here
+
+    if backend == "paged":
+        prompts = [row[keep].tolist() for row, keep in zip(ids, mask.bool())]
+        # sized to the batch (left to itself it sizes the cache to the device's free memory: 18 s to set up on CPU);
+        # seeded from torch's generator, so runs repeat; a processor it cannot apply is an error, not dropped
+        pages = len(prompts) * -(-(ids.shape[1] + gen_config.max_new_tokens) // 32)
+        batching = ContinuousBatchingConfig(return_logprobs=True, page_size=32, num_blocks=pages, max_batch_tokens=8192,
+                                            seed=int(torch.randint(2**31, ())), drop_unsupported_processors=False)
+        done = list(model.generate_batch(prompts, gen_config, batching).values())
+        if len(done) != len(prompts) or any(d.error for d in done):
+            raise RuntimeError(f"generate_batch finished {len(done)} of {len(prompts)} requests; see its log above")
+        width = max(len(d.generated_tokens) for d in done)
+        pad = lambda rows, value, dtype: torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+        return (pad([d.generated_tokens for d in done], gen_config.pad_token_id, torch.long).to(ids.device),
+                pad([d.logprobs for d in done], 0.0, torch.float32).to(ids.device))
+    seen, extra = SampledLogprobs(gen_config.temperature), ({"cache_implementation": "static"} if backend == "static"
+                                                            else {})
+    rows, counts = torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
+    if backend == "shared" and len(rows) < len(ids) and ids.shape[1] > 1:  # all but the last prompt token, once a group
+        unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=unique_ids[:, :-1], attention_mask=unique_mask[:, :-1], past_key_values=cache,
+              position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's positions for left padding
+        cache.batch_repeat_interleave(counts)
+        extra["past_key_values"] = cache
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen], **extra)
     completion_ids = out[:, ids.shape[1]:]
     return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import read_metrics, train_rows
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig, GPT2Config
 
 import grpo
 from kernels import clipped_policy_loss
@@ -277,7 +277,66 @@ def test_completion_logprobs_equal_generates_own_distribution(tiny, arch):
     assert torch.allclose((logp * c_mask).double(), want * c_mask, atol=1e-5)
 
 
+BACKENDS = ["shared", "generate", "static", "paged"]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return (AutoModelForCausalLM.from_pretrained(ROOT / "models/tiny-arith").eval(),
+            AutoTokenizer.from_pretrained(ROOT / "models/tiny-arith"))
+
+
+def grouped_prompts(tokenizer, groups: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`groups` prompts of the embedded task, of different lengths, each repeated `size` times, left-padded."""
+    rows = [json.loads(line)["prompt"] for line in (ROOT / "data/arith/test.jsonl").read_text().splitlines()[:groups]]
+    rows[0] = rows[0] + " 1 + 1"  # one longer prompt, so the others carry left padding
+    return grpo.left_pad([tokenizer(r, add_special_tokens=False).input_ids for r in rows for _ in range(size)],
+                         tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_generation_backends_greedy_equals_generate(embedded, backend, monkeypatch):
+    """Every --generation-backend decodes greedily exactly as plain `generate` on the embedded model; `shared`
+    prefills each group's prompt once."""
+    model, tokenizer = embedded
+    repeats, repeat = [], DynamicCache.batch_repeat_interleave
+    monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", lambda cache, n: repeats.append(n) or repeat(cache, n))
+    ids, mask = grouped_prompts(tokenizer, groups=3, size=3)
+    config = GenerationConfig(do_sample=False, temperature=1.0, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+        got, _ = grpo.sample(model, ids, mask, config, backend)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert [n.tolist() for n in repeats] == ([[3, 3, 3]] if backend == "shared" else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_generation_backends_report_the_trainers_log_probs(embedded, backend):
+    """Sampling at T = 0.7, each backend's log-probs of its tokens are the trainer's log softmax(logits / T), and
+    every completion is padded after its first EOS (what the sampler start check relies on)."""
+    model, tokenizer = embedded
+    ids, mask = grouped_prompts(tokenizer, groups=2, size=4)
+    torch.manual_seed(0)
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, max_new_tokens=24,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        completion, sampler_logp = grpo.sample(model, ids, mask, config, backend)
+        c_mask, _ = grpo.completion_mask(completion, torch.tensor([tokenizer.eos_token_id]))
+        logp = grpo.completion_logprobs(model, torch.cat([ids, completion], 1), torch.cat([mask, c_mask.long()], 1),
+                                        ids.shape[1], temperature=0.7)
+    assert sampler_logp.shape == completion.shape and c_mask.sum() > len(ids)
+    assert ((logp - sampler_logp).abs() * c_mask).max() < 1e-4
+    assert (completion[c_mask == 0] == tokenizer.pad_token_id).all()
+
+
 # ----------------------------------------------------------------------------- runs
+
+
+@pytest.mark.parametrize("backend", ["generate", "static", "paged"])  # shared, the default, runs in every other test
+def test_a_run_samples_with_every_generation_backend(tiny, tmp_path, backend):
+    out = grpo.main(tiny_args(tiny, tmp_path, total_steps=1, generation_backend=backend))
+    assert math.isfinite(out["train/loss"]) and out["train/sampler_gap"] < 1e-4  # the start check passed, far inside
 
 
 def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
