@@ -150,6 +150,9 @@ class Args:
     """two-sided clipping: cap on the ratio of tokens with negative advantage (INTELLECT-2; None: off)"""
     top_entropy_quantile: float = 1.0
     """rho: policy gradient only on the batch's top-rho fraction of tokens by entropy (1: all tokens)"""
+    importance_sampling_cap: Optional[float] = None
+    """truncated importance sampling (TIS) of the sampler's mismatch: each token's loss times min(pi_old / pi_sampler,
+    cap), for backends whose numerics differ from the trainer's (bf16, compiled); None: off"""
 
     # --- optimisation
     learning_rate: float = 1e-4
@@ -284,6 +287,13 @@ def policy_loss(logp, old_logp, advantages, mask, args) -> tuple[torch.Tensor, t
     unclipped = (ratio if args.delta is None else ratio.clamp(max=args.delta)) * advantages
     clipped = ratio.clamp(1 - args.clip_low, 1 + args.clip_high) * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling (TIS): min(pi_old / pi_sampler, cap) per token, 1 on padding -> (weights,
+    capped). The sampler drew the tokens; the loss is an expectation under pi_old (the trainer's numerics)."""
+    ratio = torch.exp((old_logp - sampler_logp) * mask)
+    return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
 
 
 def high_entropy_tokens(entropy: list[torch.Tensor], masks: list[torch.Tensor], rho: float) -> list[torch.Tensor]:
@@ -520,7 +530,8 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
                 world: int, autocast) -> tuple[dict, torch.Tensor]:
     """--num-iterations (mu) optimiser updates on one batch: the clipped loss per token (Eq. 3), aggregated per
     --loss-type. pi_old's log-probs are the first update's (the weights have not moved yet)."""
-    sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "sampler_tokens"), 0.0)
+    sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "sampler_tokens", "tis_capped"),
+                         0.0)
     ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
     fused = args.loss_type != "cispo" and args.importance_sampling_level == "token" and args.delta is None
     if args.top_entropy_quantile < 1:  # one more forward pass: the entropies of the whole batch, before any update
@@ -537,6 +548,10 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
                     mb["old_logp"] = logp.detach()
                     sums["sampler_gap"] += float(((logp.detach() - mb["sampler_logp"]).abs() * mb["mask"]).sum())
                     sums["sampler_tokens"] += float(mb["mask"].sum())
+                    if args.importance_sampling_cap is not None:
+                        mb["tis"], capped = truncated_is_weights(mb["old_logp"], mb["sampler_logp"], mb["mask"],
+                                                                 args.importance_sampling_cap)
+                        sums["tis_capped"] += float(capped.sum())
                     if reference is not None:
                         with torch.no_grad():
                             mb["ref_logp"] = reference(mb)
@@ -550,6 +565,8 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
                     per_token = per_token + args.beta * kl
                 if "keep" in mb:  # the policy gradient of high-entropy tokens only; the KL penalty stays on every token
                     per_token = torch.where(mb["keep"], per_token, args.beta * kl)
+                if "tis" in mb:  # the sampler drew the tokens: weigh pi_old's whole per-token loss back to them
+                    per_token = per_token * mb["tis"]
                 loss = aggregate_loss(per_token, mb["mask"], args.loss_type, num_sequences=args.prompts_per_step *
                                       args.num_generations, num_tokens=tokens[0], local_tokens=tokens[1], world=world,
                                       max_completion_length=args.max_completion_length)
@@ -593,6 +610,9 @@ def check_args(args: Args) -> int:
     if args.beta < 0 or not (0 <= args.clip_low <= 1) or args.clip_high < 0:
         raise ValueError(f"need --beta >= 0, 0 <= --clip-low <= 1 and --clip-high >= 0, got {args.beta}, "
                          f"{args.clip_low}, {args.clip_high}")
+    if args.importance_sampling_cap is not None and args.importance_sampling_cap < 1:
+        raise ValueError(f"--importance-sampling-cap {args.importance_sampling_cap} must be >= 1, e.g. 2: it caps "
+                         f"pi_old / pi_sampler, and below 1 it would shrink every on-policy token; or leave it off")
     if args.delta is not None and (args.delta <= 1 + args.clip_high or args.loss_type == "cispo"):
         raise ValueError(f"--delta {args.delta} caps the ratio of negative-advantage tokens: it needs a clip loss type "
                          f"and a value above 1 + --clip-high = {1 + args.clip_high}, e.g. --delta 4, or --delta None")
@@ -743,17 +763,19 @@ def main(args: Args) -> dict:
             # 4d. Log rewards per component, lengths, KL, clipping and timings.
             if step % args.log_every == 0 or step == args.total_steps:
                 lengths = batch["completion_mask"].sum(dim=1)
-                local = torch.tensor([sums["loss"], *(sums[k] for k in ("kl", "clip_frac", "entropy", "tokens")),
-                                      float(lengths.sum()), float(batch["truncated"].sum()), len(lengths)], device=device)
+                local = torch.tensor([sums["loss"], *(sums[k] for k in ("kl", "clip_frac", "entropy", "tis_capped",
+                                      "tokens")), float(lengths.sum()), float(batch["truncated"].sum()), len(lengths)],
+                                     device=device)
                 if run.ddp:
                     dist.all_reduce(local)
-                loss_sum, kl_sum, clip_sum, ent_sum, n_tok, len_sum, n_trunc, n_seq = local.tolist()
+                loss_sum, kl_sum, clip_sum, ent_sum, tis_sum, n_tok, len_sum, n_trunc, n_seq = local.tolist()
                 final = {"step": step, "train/loss": loss_sum / args.num_iterations,
                          "train/reward": float(rewards.mean()), "train/reward_std": float(rewards.std(dim=1).mean()),
                          **{f"rewards/{k}": float(run.gather(v.to(device)).mean()) for k, v in batch["rewards"].items()
                             if k != "total"},
                          "train/kl": kl_sum / max(n_tok, 1), "train/clip_frac": clip_sum / max(n_tok, 1),
                          "train/entropy": ent_sum / max(n_tok, 1), "train/sampler_gap": gap,
+                         "train/tis_capped_frac": tis_sum * args.num_iterations / max(n_tok, 1),
                          "train/grad_norm": float(grad_norm),
                          "train/lr": lr, "train/completion_length": len_sum / n_seq,
                          "train/truncated_frac": n_trunc / n_seq,

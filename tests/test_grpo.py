@@ -201,6 +201,14 @@ def test_policy_loss_token_level_equals_the_fused_kernel():
     assert torch.equal(loss, fused) and torch.equal(clipped, fused_clipped)
 
 
+def test_truncated_is_weights_hand_computed():
+    """min(exp(old - sampler), cap) per token; padding weighs 1 and is never counted as capped."""
+    old, sampler = torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([[-1.5, -1.0, -3.0]])
+    weights, capped = grpo.truncated_is_weights(old, sampler, torch.tensor([[1.0, 1.0, 0.0]]), cap=1.5)
+    assert weights[0].tolist() == pytest.approx([1.5, math.exp(-1.0), 1.0])  # e^0.5 = 1.649 capped at 1.5
+    assert capped.tolist() == [[True, False, False]]
+
+
 def test_high_entropy_tokens_pool_the_whole_batch():
     """Top-rho by entropy over the loss tokens of every micro-batch (padding not counted), whatever the split."""
     h = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.8, 0.2, 0.6]])
@@ -331,6 +339,20 @@ def test_generation_backends_report_the_trainers_log_probs(embedded, backend):
 
 
 # ----------------------------------------------------------------------------- runs
+
+
+def test_truncated_importance_sampling_weighs_each_tokens_loss(tiny, tmp_path, monkeypatch):
+    """--importance-sampling-cap multiplies every token's loss by its TIS weight: weights of 2 double the gradient
+    (mu = 1, the same seed, so the same batch; the norm before clipping); on policy nothing is capped."""
+    plain = grpo.main(tiny_args(tiny, tmp_path / "plain", total_steps=1))
+    on_policy = grpo.main(tiny_args(tiny, tmp_path / "tis", total_steps=1, importance_sampling_cap=2.0))
+    assert on_policy["train/tis_capped_frac"] == 0 and plain["train/grad_norm"] > 0
+    assert on_policy["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-4)
+    monkeypatch.setattr(grpo, "truncated_is_weights", lambda old, sampler, mask, cap: (
+        torch.full_like(old, 2.0), mask > 0))
+    doubled = grpo.main(tiny_args(tiny, tmp_path / "doubled", total_steps=1, importance_sampling_cap=2.0))
+    assert doubled["train/grad_norm"] == pytest.approx(2 * plain["train/grad_norm"], rel=1e-5)
+    assert doubled["train/tis_capped_frac"] == 1
 
 
 @pytest.mark.parametrize("backend", ["generate", "static", "paged"])  # shared, the default, runs in every other test
@@ -480,6 +502,7 @@ def test_learning_on_the_embedded_task(tmp_path):
     ({"prompts_per_step": 3, "num_generations": 4, "micro_batch_size": 8}, "use --micro-batch-size 6"),
     ({"delta": 1.1}, "above 1 + --clip-high = 1.2"),
     ({"delta": 4.0, "loss_type": "cispo"}, "it needs a clip loss type"),
+    ({"importance_sampling_cap": 0.5}, "must be >= 1, e.g. 2"),
     ({"top_entropy_quantile": 0.0}, "--top-entropy-quantile must be in (0, 1]"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
