@@ -753,8 +753,9 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
         pad = lambda rows, value, dtype: torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
         return (pad([d.generated_tokens for d in done], gen_config.pad_token_id, torch.long).to(ids.device),
                 pad([d.logprobs for d in done], 0.0, torch.float32).to(ids.device))
-    seen, extra = SampledLogprobs(gen_config.temperature), ({"cache_implementation": "static"} if backend == "static"
-                                                            else {})
+    seen, extra = SampledLogprobs(gen_config.temperature), {}
+    if backend == "static":
+        gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
     rows, counts = torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
     if backend == "shared" and len(rows) < len(ids) and ids.shape[1] > 1:  # all but the last prompt token, once a group
         unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)

@@ -548,6 +548,16 @@ def test_step_profile_benchmark_runs():
     assert reference > 0 and 2.5 < policy / reference < 3.5
 
 
+def test_sampling_benchmark_tabulates_every_backend():
+    """benchmarks/sampling.py at a toy batch (timings meaningless here): a row per backend, the ratio to generate."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sampling
+
+    out = sampling.main(sampling.Args(prompts=3, group=2, max_new_tokens=6, warmup=0, repeats=1, threads=1))
+    assert list(out) == ["generate", "shared", "static", "paged"]
+    assert all(r["s"] > 0 and r["tok_s"] > 0 for r in out.values())
+
+
 def head_models():
     """Tiny causal LMs whose logits are not hidden @ lm_head.weight.T."""
     from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GraniteConfig,
