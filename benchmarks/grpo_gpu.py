@@ -1,13 +1,14 @@
 """grpo.py on one CUDA GPU with a Qwen2.5-0.5B-shaped model: where a step's time goes, and peak memory.
 
-    python benchmarks/grpo_gpu.py            # needs CUDA; about 2 minutes on an H100
+    python benchmarks/grpo_gpu.py            # needs CUDA (2 minutes on an H100 before the backend rows)
 
 The model is built from a config (24 layers, 896 wide, 14 heads / 2 KV heads, vocabulary 151,936, random weights,
 no download) with the embedded tokenizer; a random model samples ids the tokenizer does not know, which decode
 to nothing, so the reward is mostly 0: this measures speed, not learning. grpo.py's default work (64 prompts x
-G = 8 completions of up to 40 tokens, bf16 autocast on CUDA, beta 0) for --steps steps in three settings: as is,
-with --gradient-checkpointing, and with --lora-r 16. The table gives the medians of grpo.py's own `perf/*_s`
-(generation, scoring, training, whole step) over the steps after the first, and torch.cuda.max_memory_allocated.
+G = 8 completions of up to 40 tokens, bf16 autocast on CUDA, beta 0) for --steps steps: as is, under each other
+--generation-backend (generate, static, paged), with --gradient-checkpointing, and with --lora-r 16. The table gives
+the medians of grpo.py's own `perf/*_s` (generation, scoring, training, whole step) over the steps after the first
+(the first compiles and captures), and torch.cuda.max_memory_allocated.
 """
 import json
 import statistics
@@ -38,8 +39,11 @@ def main(steps: int = 6) -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Qwen2.5-0.5B shape (random), {steps} steps\n")
     print("| setting | generate s | score s | train s | step s | peak GB |")
     print("|---|---|---|---|---|---|")
-    for name, extra in (("default (bf16 autocast)", {}), ("--gradient-checkpointing", {"gradient_checkpointing": True}),
-                        ("--lora-r 16", {"lora_r": 16, "learning_rate": 1e-4})):
+    settings = [("default (bf16 autocast, --generation-backend shared)", {}),
+                *((f"--generation-backend {b}", {"generation_backend": b}) for b in ("generate", "static", "paged")),
+                ("--gradient-checkpointing", {"gradient_checkpointing": True}),
+                ("--lora-r 16", {"lora_r": 16, "learning_rate": 1e-4})]
+    for name, extra in settings:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         out = grpo.main(grpo.Args(model_name_or_path=str(model_dir), dataset=str(ROOT / "data/arith"),

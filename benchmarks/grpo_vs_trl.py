@@ -60,6 +60,8 @@ class Args:
     """which trainer runs first"""
     seed: int = 1
     """seed of both runs"""
+    backends: tuple[str, ...] = ("shared",)
+    """grpo.py's --generation-backend(s), one run each (e.g. --backends shared static paged on a GPU)"""
     grpo_micro_batch_size: int = 32
     """grpo.py's completions per forward/backward (sorted by length, so less padding than one batch of 64)"""
     model: str = str(ROOT / "models/tiny-arith")
@@ -111,7 +113,7 @@ def run_trl(args: Args, out_dir: str, gradient_checkpointing: bool) -> tuple[lis
     return timer.times, trainer.model
 
 
-def run_grpo(args: Args, out_dir: str) -> tuple[list[dict], torch.nn.Module]:
+def run_grpo(args: Args, out_dir: str, backend: str) -> tuple[list[dict], torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 
     out = grpo.main(grpo.Args(
@@ -120,7 +122,7 @@ def run_grpo(args: Args, out_dir: str) -> tuple[list[dict], torch.nn.Module]:
         micro_batch_size=args.grpo_micro_batch_size, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, beta=BETA,
         kl_estimator="k3", num_iterations=1, loss_type=args.loss_type, scale_rewards="group",
         learning_rate=args.learning_rate, lr_schedule="constant", warmup_steps=0, max_grad_norm=1.0, log_every=1,
-        save_every=0))
+        save_every=0, generation_backend=backend))
     rows = [json.loads(line) for line in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "perf/step_s" in r], AutoModelForCausalLM.from_pretrained(Path(out["run_dir"]) / "final")
 
@@ -146,17 +148,23 @@ def main(args: Args) -> list[dict]:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         trl_runs = {TRL_DEFAULT: True, TRL_PLAIN: False}
-        for name in ((*trl_runs, "grpo.py") if args.order == "trl-first" else ("grpo.py", *trl_runs)):
+        ours = {f"grpo.py (--generation-backend {b})": b for b in args.backends}
+        for name in ((*trl_runs, *ours) if args.order == "trl-first" else (*ours, *trl_runs)):
             torch.manual_seed(args.seed)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             if name in trl_runs:
                 times, model = run_trl(args, os.path.join(tmp, name[-4:]), gradient_checkpointing=trl_runs[name])
-                results[name] = {"s/step": statistics.median(times), "acc": accuracy(model)}
+                results[name] = {"s/step": statistics.median(times)}
             else:
-                rows, model = run_grpo(args, os.path.join(tmp, "grpo"))
-                results["grpo.py"] = {"s/step": statistics.median(r["perf/step_s"] for r in rows),
-                                      **{k: statistics.median(r[f"perf/{k}_s"] for r in rows)
-                                         for k in ("generate", "score", "train")},
-                                      "acc": accuracy(model)}
+                rows, model = run_grpo(args, os.path.join(tmp, ours[name]), ours[name])
+                results[name] = {"s/step": statistics.median(r["perf/step_s"] for r in rows),
+                                 **{k: statistics.median(r[f"perf/{k}_s"] for r in rows)
+                                    for k in ("generate", "score", "train")},
+                                 "decode tok/s": statistics.median(r["train/completion_length"] * COMPLETIONS_PER_STEP /
+                                                                   r["perf/generate_s"] for r in rows)}
+            results[name]["peak GB"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+            results[name]["acc"] = accuracy(model)
     import trl
     import transformers
 
@@ -165,13 +173,15 @@ def main(args: Args) -> list[dict]:
           f"trl {trl.__version__}): {args.steps} steps, G={G}, {COMPLETIONS_PER_STEP} completions/step, "
           f"{MAX_NEW_TOKENS} new tokens, beta={BETA}, loss {args.loss_type}, lr {args.learning_rate} constant")
     print(f"greedy accuracy before training: {start:.3f} ({len(prompts)} test prompts)\n")
-    print("| trainer | median s/step | generate s | score s | logp+backward+step s | speed-up vs TRL default | "
-          "speed-up vs TRL without checkpointing | final accuracy |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| trainer | median s/step | generate s | score s | logp+backward+step s | decode tok/s | peak GB | "
+          "speed-up vs TRL default | speed-up vs TRL without checkpointing | final accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base, plain = results[TRL_DEFAULT]["s/step"], results[TRL_PLAIN]["s/step"]
     rows = []
     for name, r in results.items():
         phases = [f"{r[k]:.3f}" if k in r else "-" for k in ("generate", "score", "train")]
+        phases += [f"{r['decode tok/s']:.0f}" if "decode tok/s" in r else "-",
+                   "-" if r["peak GB"] is None else f"{r['peak GB']:.1f}"]
         print(f"| {name} | {r['s/step']:.3f} | {' | '.join(phases)} | {base / r['s/step']:.2f}x | "
               f"{plain / r['s/step']:.2f}x | {r['acc']:.3f} |")
         rows.append({"trainer": name, **r, "speedup": base / r["s/step"], "speedup_plain": plain / r["s/step"]})
