@@ -440,34 +440,40 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
     generate_batch: paged attention, prompt blocks shared, the sampler's own log-probs)."""
     from transformers import ContinuousBatchingConfig, DynamicCache  # only the sampling scripts get here
 
-    if backend == "paged":
-        prompts = [row[keep].tolist() for row, keep in zip(ids, mask.bool())]
-        # sized to the batch (left to itself it sizes the cache to the device's free memory: 18 s to set up on CPU);
-        # seeded from torch's generator, so runs repeat; a processor it cannot apply is an error, not dropped
-        pages = len(prompts) * -(-(ids.shape[1] + gen_config.max_new_tokens) // 32)
-        batching = ContinuousBatchingConfig(return_logprobs=True, page_size=32, num_blocks=pages, max_batch_tokens=8192,
-                                            seed=int(torch.randint(2**31, ())), drop_unsupported_processors=False)
-        done = list(model.generate_batch(prompts, gen_config, batching).values())
-        if len(done) != len(prompts) or any(d.error for d in done):
-            raise RuntimeError(f"generate_batch finished {len(done)} of {len(prompts)} requests; see its log above")
-        width = max(len(d.generated_tokens) for d in done)
-        pad = lambda rows, value, dtype: torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
-        return (pad([d.generated_tokens for d in done], gen_config.pad_token_id, torch.long).to(ids.device),
-                pad([d.logprobs for d in done], 0.0, torch.float32).to(ids.device))
-    seen, extra = SampledLogprobs(gen_config.temperature), {}
-    if backend == "static":
-        gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
-    rows, counts = torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
-    if backend == "shared" and len(rows) < len(ids) and ids.shape[1] > 1:  # all but the last prompt token, once a group
-        unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)
-        cache = DynamicCache(config=model.config)
-        model(input_ids=unique_ids[:, :-1], attention_mask=unique_mask[:, :-1], past_key_values=cache,
-              position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's positions for left padding
-        cache.batch_repeat_interleave(counts)
-        extra["past_key_values"] = cache
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen], **extra)
-    completion_ids = out[:, ids.shape[1]:]
-    return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
+    training, _ = model.training, model.eval()  # in training mode gradient checkpointing turns the KV cache off
+    try:
+        if backend == "paged":
+            prompts = [row[keep].tolist() for row, keep in zip(ids, mask.bool())]
+            # sized to the batch (left to itself it sizes the cache to the device's free memory: 18 s to set up on CPU);
+            # seeded from torch's generator, so runs repeat; a processor it cannot apply is an error, not dropped
+            pages = len(prompts) * -(-(ids.shape[1] + gen_config.max_new_tokens) // 32)
+            batching = ContinuousBatchingConfig(return_logprobs=True, page_size=32, num_blocks=pages,
+                                                max_batch_tokens=8192, seed=int(torch.randint(2**31, ())),
+                                                drop_unsupported_processors=False)
+            done = list(model.generate_batch(prompts, gen_config, batching).values())
+            if len(done) != len(prompts) or any(d.error for d in done):
+                raise RuntimeError(f"generate_batch finished {len(done)} of {len(prompts)} requests; see its log above")
+            width = max(len(d.generated_tokens) for d in done)
+            pad = lambda rows, value, dtype: torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+            return (pad([d.generated_tokens for d in done], gen_config.pad_token_id, torch.long).to(ids.device),
+                    pad([d.logprobs for d in done], 0.0, torch.float32).to(ids.device))
+        seen, extra = SampledLogprobs(gen_config.temperature), {}
+        if backend == "static":
+            gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
+        rows, counts = torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
+        if backend == "shared" and len(rows) < len(ids) and ids.shape[1] > 1:
+            unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)  # all but the last prompt token, once a group
+            cache = DynamicCache(config=model.config)
+            model(input_ids=unique_ids[:, :-1], attention_mask=unique_mask[:, :-1], past_key_values=cache,
+                  position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
+            cache.batch_repeat_interleave(counts)
+            extra["past_key_values"] = cache
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen],
+                             **extra)
+        completion_ids = out[:, ids.shape[1]:]
+        return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
+    finally:
+        model.train(training)
 
 
 def sampler_gap(run, gap_sum, tokens) -> float:

@@ -319,6 +319,22 @@ def test_generation_backends_greedy_equals_generate(embedded, backend, monkeypat
     assert [n.tolist() for n in repeats] == ([[3, 3, 3]] if backend == "shared" else [])
 
 
+def test_sampling_keeps_the_kv_cache_under_gradient_checkpointing(embedded):
+    """sample runs the model in eval mode (in training mode gradient checkpointing drops the KV cache, and the static
+    cache fails outright) and hands it back in training mode."""
+    _, tokenizer = embedded
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "models/tiny-arith")
+    model.gradient_checkpointing_enable()
+    ids, mask = grouped_prompts(tokenizer, groups=2, size=2)
+    config = GenerationConfig(do_sample=False, temperature=1.0, max_new_tokens=16, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        got = {b: grpo.sample(model.train(), ids, mask, config, b)[0] for b in ("shared", "static")}
+        assert model.training
+        want = model.eval().generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    assert all(torch.equal(g, want) for g in got.values())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_generation_backends_report_the_trainers_log_probs(embedded, backend):
     """Sampling at T = 0.7, each backend's log-probs of its tokens are the trainer's log softmax(logits / T), and
