@@ -1,9 +1,11 @@
-"""Tile and launch settings of kernels/ on a CUDA GPU: prints the timings that chose TRITON_OPS and _launch.
+"""Tile and launch settings of kernels/ on a CUDA GPU: prints the timings that chose TRITON_OPS, FUSED_LINEAR and
+_launch.
 
     python benchmarks/kernel_tuning.py            # needs CUDA; bfloat16, Qwen2's vocabulary
 
 linear_token_logprobs forward+backward at N = 16,384, H = 896 and 3,584, V = 151,936 for several matmul tiles
-(TRITON_OPS.tile_elements x max_rows), with TRL's chunked log-prob as the anchor measured in the same run;
+(TRITON_OPS.tile_elements x max_rows), with TRL's chunked log-prob as the anchor measured in the same run; the same,
+forward and forward+backward, for the fused-linear kernel (KERNELS_LINEAR=fused) at several FUSED_LINEAR settings;
 token_logprobs forward and forward+backward at N = 16,384, V = 151,936 for several BLOCK x num_warps of the
 row kernels. Medians of 10 timed calls (CUDA events) after 2 warm-ups, on fresh random inputs.
 """
@@ -32,12 +34,14 @@ def main() -> None:
     bench = load_kernels_benchmark()
     median_ms = bench.Clock(torch.device("cuda"), repeats=10).ms  # CUDA events, 2 warm-ups, median of 10
     module = kernels._triton_module(False)
-    base_ops, base_launch = module.TRITON_OPS, module._launch
+    base_ops, base_launch, base_fused = module.TRITON_OPS, module._launch, module.FUSED_LINEAR
     gen = torch.Generator(device="cuda").manual_seed(0)
     n, vocab = 16_384, 151_936
     targets = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
     g = torch.randn(n, device="cuda", generator=gen)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16, N {n}, V {vocab}\n")
+    fused_rows = ["| H | BLOCK_N | BLOCK_V | BLOCK_H | SPLITS | num_warps | num_stages | fwd ms | fwd+bwd ms "
+                  "| vs TRL chunked |", "|---|---|---|---|---|---|---|---|---|---|"]
     print("| H | tile_elements | max_rows | fwd+bwd ms | vs TRL chunked |")
     print("|---|---|---|---|---|")
     for h in (896, 3584):
@@ -57,7 +61,18 @@ def main() -> None:
             ms = median_ms(lambda: step(lambda: kernels.linear_token_logprobs(hidden, weight, targets)))
             print(f"| {h} | 2^{tile.bit_length() - 1} | {rows} | {ms:.2f} | {trl_ms / ms:.2f}x |", flush=True)
         module.TRITON_OPS = base_ops
+        fused = lambda: bench.ours_fused_logprobs(hidden, weight, targets)  # noqa: E731
+        for cfg in ((128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 3), (128, 64, 64, 8, 4, 3), (64, 256, 64, 8, 8, 3),
+                    (128, 256, 64, 8, 8, 3), (128, 128, 32, 8, 8, 4), (128, 128, 64, 4, 8, 3), (128, 128, 64, 16, 8, 3),
+                    (128, 128, 64, 8, 4, 4)):
+            module.FUSED_LINEAR = dict(zip(("BLOCK_N", "BLOCK_V", "BLOCK_H", "SPLITS", "num_warps", "num_stages"), cfg))
+            with torch.no_grad():
+                fwd = median_ms(fused)
+            ms = median_ms(lambda: step(fused))
+            fused_rows.append(f"| {h} | {' | '.join(map(str, cfg))} | {fwd:.2f} | {ms:.2f} | {trl_ms / ms:.2f}x |")
+        module.FUSED_LINEAR = base_fused
         del hidden, weight
+    print("", *fused_rows, sep="\n", flush=True)
 
     logits = torch.randn(n, vocab, device="cuda", generator=gen).to(torch.bfloat16)
     x = logits.clone().requires_grad_()

@@ -14,7 +14,8 @@ Each method runs in its own process. Peak memory is the resident-set high-water 
 level after the inputs were allocated (reset through /proc/self/clear_refs), so it counts every
 temporary and the gradients (of which weight.grad is V x H floats, the same for all methods).
 
-GPU (bfloat16): `token_logprobs` and `linear_token_logprobs`, forward only (how old/ref log-probs
+GPU (bfloat16): `token_logprobs` and `linear_token_logprobs` (the latter twice: `kernels` is its default
+path of torch matmul tiles, `kernels (fused)` its KERNELS_LINEAR=fused kernel), forward only (how old/ref log-probs
 are computed) and forward+backward, against PyTorch eager, torch.compile, TRL's kernels and
 Liger's (a row saying "not installed" when they do not import). Like with like: TRL's
 token kernel always computes the entropy too, so it appears only in the entropy rows (--entropy);
@@ -37,6 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +111,12 @@ def ours_logprobs(hidden, weight, targets, with_entropy=False):
     return kernels.linear_token_logprobs(hidden, weight, targets, with_entropy=with_entropy)
 
 
+def ours_fused_logprobs(hidden, weight, targets, with_entropy=False):
+    """KERNELS_LINEAR=fused: the matmul and the log-sum-exp in one Triton kernel (CUDA or the interpreter only)."""
+    with mock.patch.dict(os.environ, KERNELS_LINEAR="fused"):
+        return ours_logprobs(hidden, weight, targets, with_entropy)
+
+
 LINEAR_METHODS = {"naive": naive_logprobs, "kernels": ours_logprobs, "trl": trl_logprobs}
 
 
@@ -160,7 +168,9 @@ def _cpu_seconds() -> float:
 def trl_status() -> str:
     try:
         import trl
-        from trl.kernels import ChunkedLogProbFunction  # noqa: F401
+        import trl.kernels
+
+        trl.kernels.ChunkedLogProbFunction  # the class the benchmark calls: AttributeError in a trl without it
     except Exception as error:  # not installed, or installed against other torch/transformers
         return f"unavailable ({type(error).__name__}: {error})"
     return trl.__version__
@@ -320,7 +330,8 @@ def token_methods(with_entropy: bool) -> dict:
 
 def linear_methods(with_entropy: bool) -> dict:
     """label -> fn(hidden, weight, targets, with_entropy), or NOT_INSTALLED (see token_methods)."""
-    methods = {"kernels": ours_logprobs, "eager": naive_logprobs, "torch.compile": torch.compile(naive_logprobs)}
+    methods = {"kernels": ours_logprobs, "kernels (fused)": ours_fused_logprobs, "eager": naive_logprobs,
+               "torch.compile": torch.compile(naive_logprobs)}
     methods["trl"] = trl_logprobs if not trl_status().startswith("unavailable") else NOT_INSTALLED
     if not with_entropy:
         try:

@@ -14,7 +14,9 @@ Outputs are float32 whatever the input dtype (float64 inputs give float64 on the
 so that torch.autograd.gradcheck can check it). Log-probs are <= 0 and entropies >= 0.
 
 Backend, chosen at every call: Triton when the tensors are on CUDA, or TRITON_INTERPRET=1 is set,
-and triton imports; PyTorch otherwise. KERNELS_BACKEND=torch|triton forces one. Both give the same
+and triton imports; PyTorch otherwise. KERNELS_BACKEND=torch|triton forces one. KERNELS_LINEAR=fused makes the
+Triton backend's linear_token_logprobs one kernel per logits tile, matmul and log-sum-exp together (not yet timed on
+a GPU, so not the default); unset or `tiles`: torch matmul tiles, folded by Triton kernels. Both give the same
 numbers (tests/test_kernels.py) and both check their inputs here, before any work, with a
 ValueError that names the problem. Checking that targets lie in [0, V) reads their min and max
 back to the host: on CUDA that is one synchronisation per call (tens of microseconds), which we pay
@@ -80,6 +82,15 @@ def _triton_for(device: torch.device):
     return _triton_module(interpret) if usable else None
 
 
+def _linear_path() -> str:
+    """KERNELS_LINEAR: 'tiles' (the default) or 'fused', see the module docstring."""
+    choice = os.environ.get("KERNELS_LINEAR", "").strip().lower() or "tiles"
+    if choice not in ("tiles", "fused"):
+        raise ValueError(f"KERNELS_LINEAR={choice!r} is not a linear_token_logprobs path: use 'tiles', 'fused', "
+                         "or leave it unset")
+    return choice
+
+
 def _ops(device: torch.device) -> torch_ref.TileOps:
     triton_module = _triton_for(device)
     return torch_ref.TORCH_OPS if triton_module is None else triton_module.TRITON_OPS
@@ -118,7 +129,7 @@ def _check_targets(targets: torch.Tensor, shape: torch.Size, vocab: int, scores:
                 f"targets must lie in [0, {vocab}) (the vocabulary), found min {lo}, max {hi}; replace padding "
                 "ids such as -100 by any valid id and mask those positions out of the loss afterwards"
             )
-    return targets.reshape(-1).long()
+    return targets.reshape(-1).long().contiguous()  # the Triton kernels read ids at targets_ptr + row
 
 
 def _unflatten(out, shape):
@@ -183,6 +194,7 @@ def linear_token_logprobs(
     hidden; `softcap` (Gemma 2's logits = c * tanh(hidden @ weight.T / c)) is not fused: its logits
     are made whole, then token_logprobs.
     """
+    fused = _linear_path() == "fused"  # read first, so that a bad value fails whichever head
     if bias is not None:
         hidden = torch.cat([hidden, torch.ones_like(hidden[..., :1])], dim=-1)
         weight = torch.cat([weight, bias.to(weight.dtype)[:, None]], dim=1)
@@ -205,9 +217,13 @@ def linear_token_logprobs(
         )
     _check_temperature(temperature)
     flat_targets = _check_targets(targets, hidden.shape[:-1], weight.shape[0], f"hidden {list(hidden.shape)}", hidden.device)
-    out = torch_ref.linear_token_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, float(temperature), with_entropy, _ops(hidden.device)
-    )
+    flat_hidden, triton_module = hidden.reshape(-1, hidden.shape[-1]), _triton_for(hidden.device)
+    if triton_module is not None and fused and hidden.dtype != torch.float64:  # (its sums are float32)
+        args = (flat_hidden, weight, flat_targets, float(temperature), with_entropy)
+        out = triton_module.FusedLinearTokenLogprobs.apply(*args)
+    else:
+        ops = torch_ref.TORCH_OPS if triton_module is None else triton_module.TRITON_OPS
+        out = torch_ref.linear_token_logprobs(flat_hidden, weight, flat_targets, float(temperature), with_entropy, ops)
     return _unflatten(out, targets.shape)
 
 

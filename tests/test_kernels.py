@@ -4,7 +4,7 @@ The Triton backend runs in Triton's CPU interpreter. triton.jit decides compiled
 the kernel module is imported, so kernels/__init__.py loads that module once per mode with
 TRITON_INTERPRET set accordingly: these tests only need TRITON_INTERPRET=1 at call time (set with
 monkeypatch, so it never leaks into other test files), whatever was imported before. The
-interpreter is slow, so the Triton shapes are tiny and odd (rows 7, vocab 97 or 131).
+interpreter is slow, so the Triton shapes are tiny and odd (rows 7 or 37, vocab 97, 131 or 301).
 """
 import dataclasses
 import itertools
@@ -26,6 +26,8 @@ BACKENDS = ["torch", pytest.param("triton", marks=NEEDS_TRITON)]
 # many: tiles shrunk until the row-chunk and vocab-tile loops run several times
 BACKEND_TILES = [("torch", "plain"), ("torch", "one"), ("torch", "many"),
                  pytest.param("triton", "one", marks=NEEDS_TRITON), pytest.param("triton", "many", marks=NEEDS_TRITON)]
+# fused: linear_token_logprobs' matmul and log-sum-exp in one Triton kernel (KERNELS_LINEAR=fused)
+LINEAR_TILES = [*BACKEND_TILES, pytest.param("triton", "fused", marks=NEEDS_TRITON)]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -37,12 +39,19 @@ def backend(request, monkeypatch):
 
 
 def set_tiles(monkeypatch, backend: str, tiles: str, **small_tiles) -> None:
-    """Route the call through the plain formula, one tile, or the tile sizes in small_tiles."""
+    """Route the call through the plain formula, one tile, the tile sizes in small_tiles, or the fused-linear kernel
+    with blocks of 16 rows x 32 vocab x 16 hidden in 3 vocab splits, its backward in vocab chunks of small_tiles'
+    tile_elements."""
     if tiles == "plain":
         return
     module, name = (torch_ref, "TORCH_OPS") if backend == "torch" else (kernels._triton_module(True), "TRITON_OPS")
-    ops = dataclasses.replace(getattr(module, name), plain_elements=0, **(small_tiles if tiles == "many" else {}))
+    ops = dataclasses.replace(getattr(module, name), plain_elements=0, **(small_tiles if tiles != "one" else {}))
     monkeypatch.setattr(module, name, ops)
+    if tiles == "fused":
+        monkeypatch.setenv("KERNELS_LINEAR", "fused")
+        small_blocks = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_H=16, SPLITS=3)
+        monkeypatch.setattr(module, "FUSED_LINEAR", dict(module.FUSED_LINEAR, **small_blocks))
+        monkeypatch.delattr(torch_ref, "LinearTokenLogprobs")  # the tiled path must not run instead
 
 
 def reference_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -66,7 +75,7 @@ def assert_matches_reference(got, want, grads, want_grads, dtype):
     for g, w in zip(got, want):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g.double(), w, **value_tol)
-    assert (got[0] <= 0).all() and (got[1] >= 0).all()
+    assert (got[0] <= 0).all() and all((entropy >= 0).all() for entropy in got[1:])
     for g, w in zip(grads, want_grads):
         assert g.dtype == dtype
         torch.testing.assert_close(g.double(), w.to(dtype).double(), **grad_tol)
@@ -95,27 +104,31 @@ def test_token_logprobs_matches_float64(backend, monkeypatch, dtype, shape, temp
     assert_matches_reference((logp, entropy), want, [grad], [want_grad], dtype)
 
 
+@pytest.mark.parametrize("with_entropy", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend, tiles", BACKEND_TILES, indirect=["backend"])
-def test_linear_token_logprobs_matches_float64(backend, monkeypatch, dtype, tiles):
-    # many: 3-row x 32-column tiles, so 3 row blocks (the last one partial) and 5 vocab tiles
-    set_tiles(monkeypatch, backend, tiles, tile_elements=96, max_rows=3)
+@pytest.mark.parametrize("backend, tiles", LINEAR_TILES, indirect=["backend"])
+def test_linear_token_logprobs_matches_float64(backend, monkeypatch, dtype, tiles, with_entropy):
+    # N = 37, V = 301, H = 40. many: 16-row x 64-column tiles, so 3 row blocks and 5 vocab tiles, the last ones
+    # partial; fused: 3 row blocks x 10 vocab tiles x 3 hidden steps, all partial at the end; backward in 10 chunks
+    set_tiles(monkeypatch, backend, tiles, tile_elements=1024, max_rows=16)
     gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(2, 4, 16, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(131, 16, generator=gen) * 0.5).to(dtype).requires_grad_()
-    targets = torch.randint(0, 131, (2, 4), generator=gen)
-    weights = torch.randn(2, 4, generator=gen)
-    logp, entropy = linear_token_logprobs(hidden, weight, targets, temperature=0.7, with_entropy=True)
-    grads = torch.autograd.grad(backward_pair(logp, entropy, weights), (hidden, weight))
+    hidden = torch.randn(37, 40, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(301, 40, generator=gen) * 0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, 301, (74,), generator=gen)[::2]  # strided ids: the kernels must not read them in place
+    weights = torch.randn(37, generator=gen)
+    out = linear_token_logprobs(hidden, weight, targets, temperature=0.7, with_entropy=with_entropy)
+    out = out if with_entropy else (out,)
+    loss = lambda out: backward_pair(*out, weights) if with_entropy else (out[0] * weights).sum()  # noqa: E731
+    grads = torch.autograd.grad(loss(out), (hidden, weight))
     hidden64, weight64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
     want = reference_logprobs(hidden64 @ weight64.T, targets, 0.7)
-    want_grads = torch.autograd.grad(backward_pair(*want, weights), (hidden64, weight64))
-    assert_matches_reference((logp, entropy), want, grads, want_grads, dtype)
+    want_grads = torch.autograd.grad(loss(want), (hidden64, weight64))
+    assert_matches_reference(out, want, grads, want_grads, dtype)
 
 
 @pytest.mark.parametrize("head", [{"bias": True}, {"logit_scale": 0.0625}, {"softcap": 3.0},
                                   {"bias": True, "logit_scale": 2.0, "softcap": 5.0}])
-@pytest.mark.parametrize("backend, tiles", BACKEND_TILES, indirect=["backend"])
+@pytest.mark.parametrize("backend, tiles", LINEAR_TILES, indirect=["backend"])
 def test_linear_token_logprobs_with_a_bias_a_logit_scale_or_soft_capping(backend, monkeypatch, tiles, head):
     """The heads that are not a plain matmul, against their float64 logits: (hidden @ W.T + b) * scale, then
     c * tanh(logits / c) (Gemma 2's final soft-capping), values and the gradients of hidden, weight and bias."""
@@ -140,8 +153,9 @@ def test_linear_token_logprobs_with_a_bias_a_logit_scale_or_soft_capping(backend
     assert (plain - logp).abs().max() > 1e-2  # each head does change the log-probs
 
 
-def test_frozen_lm_head_gets_no_gradient(backend, monkeypatch):
-    set_tiles(monkeypatch, backend, "many", tile_elements=96, max_rows=3)
+@pytest.mark.parametrize("backend, tiles", [("torch", "many"), *LINEAR_TILES[-2:]], indirect=["backend"])
+def test_frozen_lm_head_gets_no_gradient(backend, monkeypatch, tiles):
+    set_tiles(monkeypatch, backend, tiles, tile_elements=96, max_rows=3)
     gen = torch.Generator().manual_seed(5)
     hidden, weight = torch.randn(5, 8, generator=gen, requires_grad=True), torch.randn(97, 8, generator=gen)
     targets = torch.randint(0, 97, (5,), generator=gen)
@@ -378,6 +392,10 @@ def test_bad_backend_choice_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"KERNELS_BACKEND=triton needs .*TRITON_INTERPRET=1"):
         token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))
+    monkeypatch.setenv("KERNELS_BACKEND", "torch")
+    monkeypatch.setenv("KERNELS_LINEAR", "fast")
+    with pytest.raises(ValueError, match=r"KERNELS_LINEAR='fast' is not .*use 'tiles', 'fused', or leave it unset"):
+        linear_token_logprobs(torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, dtype=torch.long))
 
 
 def run_benchmark(*flags: str) -> list[list[str]]:
@@ -408,6 +426,10 @@ def test_benchmark_gpu_tables_dry_run():
         # one row in the token_logprobs table and one in the linear table, each timed without error
         cells = [row for row in rows if method in row and passes in row and row[row.index(passes) - 1] == entropy]
         assert len(cells) == 2 and all(row[-1] == "" and float(row[row.index(passes) + 1]) > 0 for row in cells)
+        # the fused-linear kernel (KERNELS_LINEAR=fused), in the linear table only
+        fused = [row for row in rows if "kernels (fused)" in row and passes in row
+                 and row[row.index(passes) - 1] == entropy]
+        assert len(fused) == 1 and fused[0][-1] == "" and float(fused[0][fused[0].index(passes) + 1]) > 0
     # like with like: TRL's token kernel (it always computes the entropy) only in entropy rows, Liger
     # (no entropy output) only in the others; a method that does not import says so
     token_rows = [row for row in rows if row[1] == "97"]  # the linear table's second column is H = 16
@@ -423,7 +445,7 @@ def test_benchmark_gpu_tables_dry_run():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend, tiles", BACKEND_TILES, indirect=["backend"])
+@pytest.mark.parametrize("backend, tiles", LINEAR_TILES, indirect=["backend"])
 def test_linear_logprobs_stay_float32_under_bf16_autocast(backend, monkeypatch, tiles):
     # float32 hidden and weight: the matmul must not be cast to bfloat16 by an active autocast
     set_tiles(monkeypatch, backend, tiles, tile_elements=96, max_rows=3)
@@ -547,11 +569,13 @@ def test_cuda_token_logprobs_compiled_matches_float64(compiled, dtype, vocab):
 
 
 @CUDA
+@pytest.mark.parametrize("linear", ["tiles", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden_size", [896, 3584])
-def test_cuda_linear_token_logprobs_compiled_matches_float64(compiled, dtype, hidden_size):
+def test_cuda_linear_token_logprobs_compiled_matches_float64(compiled, monkeypatch, dtype, hidden_size, linear):
+    monkeypatch.setenv("KERNELS_LINEAR", linear)  # fused: its default (H100) blocks, the last row block partial
     gen = torch.Generator(device="cuda").manual_seed(1)
-    n, vocab = 512, 151_936
+    n, vocab = 500, 151_936
     hidden = torch.randn(n, hidden_size, device="cuda", generator=gen).to(dtype).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) / hidden_size ** 0.5).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
@@ -561,7 +585,7 @@ def test_cuda_linear_token_logprobs_compiled_matches_float64(compiled, dtype, hi
     hidden64, weight64 = (x.detach().double().requires_grad_() for x in (hidden, weight))
     want = reference_logprobs(hidden64 @ weight64.T, targets, 1.0)
     want_grads = torch.autograd.grad(backward_pair(*want, weights), (hidden64, weight64))
-    # float32 operands go through the matrix units as tf32 (about 3e-4 relative), bf16 through bf16
+    # float32 operands go through the matrix units as tf32 (about 3e-4 relative; tl.dot's default), bf16 through bf16
     tol = 2e-3 if dtype == torch.float32 else 2e-2
     for g, w in zip((logp, entropy), want):
         assert g.dtype == torch.float32 and rel_err(g, w) < tol
