@@ -33,6 +33,7 @@ Deviations (why, and the measurements: docs/grpo.md):
 - Under torchrun each process draws its own prompts; rewards are gathered for batch-level statistics.
 """
 
+import contextlib
 import copy
 import math
 import json
@@ -171,6 +172,8 @@ class Args:
     """gradient clipping by global norm"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -321,14 +324,15 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 class PolicyLogprobs(torch.nn.Module):
-    """The policy as DistributedDataParallel sees it: DDP synchronises gradients of the module whose forward runs."""
+    """The policy as DDP and FSDP2 see it: they act around the forward of the module they wrap (DDP syncs gradients,
+    FSDP2 gathers the weights outside the decoder layers: embeddings and lm_head)."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float):
-        return completion_logprobs(self.model, input_ids, attention_mask, prompt_width, temperature, with_entropy=True)
+    def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float, with_entropy: bool = True):
+        return completion_logprobs(self.model, input_ids, attention_mask, prompt_width, temperature, with_entropy)
 
 
 def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
@@ -519,9 +523,10 @@ def micro_batches(batch: dict, advantages: torch.Tensor, mask: torch.Tensor, siz
 
 
 def reference_logprobs(ref_model, model, mb: dict, temperature: float) -> torch.Tensor:
-    """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the base model without adapters."""
+    """The frozen reference's log-probs: a copy of the initial policy (in PolicyLogprobs), or with LoRA the base model
+    without adapters."""
     if ref_model is not None:
-        return completion_logprobs(ref_model, mb["ids"], mb["attention"], mb["prompt_width"], temperature)
+        return ref_model(mb["ids"], mb["attention"], mb["prompt_width"], temperature, with_entropy=False)
     with model.disable_adapter():
         return completion_logprobs(model, mb["ids"], mb["attention"], mb["prompt_width"], temperature)
 
@@ -677,9 +682,12 @@ def main(args: Args) -> dict:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
     elif args.beta > 0:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        ref_model = PolicyLogprobs(copy.deepcopy(model)).eval().requires_grad_(False)
     raw_model, policy = model, PolicyLogprobs(model)
-    if run.ddp:
+    if run.fsdp:  # each decoder layer sharded over the processes, the reference too (FSDP2)
+        policy = run.shard(policy, decoder_layers(model))
+        ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
+    elif run.ddp:
         policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -690,12 +698,15 @@ def main(args: Args) -> dict:
     # 3. Optimiser, schedule and data order (one per process); on --resume the weights, then all their states.
     optimizer = torch.optim.AdamW([p for p in raw_model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    run.trained = (policy, optimizer)  # what --fsdp checkpoints in shards
     lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     order = DataOrder(len(prompt_ids), args.seed * 1000 + rank)
     if args.resume:
-        if args.lora_r:
+        if run.fsdp:
+            run.load_sharded(args.resume)
+        elif args.lora_r:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
@@ -703,7 +714,8 @@ def main(args: Args) -> dict:
         else:
             raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=weights_dtype).state_dict())
         state = run.load_state()
-        optimizer.load_state_dict(state["optimizer"])
+        if not run.fsdp:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         reward.load_state_dict(state["reward"])
         order.load(state)
@@ -720,7 +732,8 @@ def main(args: Args) -> dict:
         return {"eval/accuracy": acc}, samples
 
     def save() -> Path:
-        return run.checkpoint(raw_model, tokenizer, {"optimizer": optimizer.state_dict(), "reward": reward.state_dict(),
+        return run.checkpoint(raw_model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
+                                                     "reward": reward.state_dict(),
                                                      "scheduler": scheduler.state_dict(), "lr_anchor": lr_anchor},
                               per_rank=order.state())
 
@@ -739,17 +752,19 @@ def main(args: Args) -> dict:
             t_step = time.perf_counter()
             # 4a. Sample G completions for each prompt and score them (Algorithm 1 of arXiv:2402.03300); with dynamic
             #     sampling, replace groups whose rewards are all equal (DAPO, Sec. 3.2).
-            if args.dynamic_sampling:
-                batch, draws, n_informative = dynamic_sampling(sample, groups, G, args.max_resample_rounds,
-                                                               tokenizer.pad_token_id)
-            else:
-                batch, draws, n_informative = sample(groups), 1, None
+            with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
+                if args.dynamic_sampling:
+                    batch, draws, n_informative = dynamic_sampling(sample, groups, G, args.max_resample_rounds,
+                                                                   tokenizer.pad_token_id)
+                else:
+                    batch, draws, n_informative = sample(groups), 1, None
             t_train = time.perf_counter()
             # 4b. Group-relative advantages over the global batch; this process keeps its own rows.
             rewards = run.gather(batch["rewards"]["total"].to(device)).view(-1, G)
             advantages = group_advantages(rewards, args.scale_rewards, args.baseline).view(-1)[rank * groups * G:][: groups * G]
             mask = loss_mask(batch["completion_mask"], batch["truncated"], args.mask_truncated_completions)
-            chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0)
+            # (under --fsdp every process runs as many passes as the others: each gathers and reduces over them all)
+            chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0 and not run.fsdp)
             # 4c. mu updates on this batch: the clipped loss per token (Eq. 3), aggregated per --loss-type.
             sums, grad_norm = grpo_update(policy, optimizer, chunks, args, reference,
                                           (int(run.gather(mask.sum()[None]).sum()), int(mask.sum())), world, autocast)
@@ -820,7 +835,7 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(model.device)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids or
-                             tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                             tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
         samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
     model.train()
@@ -891,7 +906,7 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
             cache.batch_repeat_interleave(counts)
             extra["past_key_values"] = cache
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen],
-                             **extra)
+                             synced_gpus=False, **extra)  # (--fsdp samples with whole weights: no lockstep)
         completion_ids = out[:, ids.shape[1]:]
         return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
     finally:
@@ -1029,6 +1044,8 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
             raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
                              f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+    if getattr(args, "fsdp", False):
+        check_fsdp(args)
     if args.track and os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled"):
         try:
             import wandb
@@ -1037,6 +1054,29 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         except Exception as e:
             raise ValueError(f"--track: {e} Run `wandb login` (or set WANDB_API_KEY), or log locally with "
                              f"WANDB_MODE=offline") from None
+
+
+def check_fsdp(args) -> None:
+    """--fsdp: launched by torchrun, no LoRA, and decoder layers to shard (found on a weightless copy of the model)."""
+    from transformers import AutoConfig, AutoModel
+
+    if "LOCAL_RANK" not in os.environ:
+        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N (one process "
+                         "per GPU), or drop --fsdp for a single process")
+    if getattr(args, "lora_r", 0):
+        raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
+                         "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+    with torch.device("meta"):
+        decoder_layers(AutoModel.from_config(AutoConfig.from_pretrained(args.model_name_or_path)))
+
+
+def decoder_layers(model) -> list:
+    """The blocks FSDP2 shards one by one: the longest ModuleList of a single block class (model.layers, h, ...)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
+    if not lists:
+        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__} (a torch.nn.ModuleList of "
+                         f"one block class, e.g. model.layers): drop --fsdp and use DDP for this model")
+    return list(max(lists, key=len))
 
 
 def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
@@ -1081,11 +1121,12 @@ def resume_args(args, may_change: tuple[str, ...]):
     return out, changed
 
 
-def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None) -> None:
-    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint."""
+def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None) -> None:
+    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. weights: the state
+    dict to write (--fsdp gathers it), else the model's own."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
     if (tmp / "generation_config.json").exists() and "policy" in CHECKPOINT_GENERATION_CONFIG:
         CHECKPOINT_GENERATION_CONFIG["policy"].save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -1111,6 +1152,7 @@ class Run:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
+        self.fsdp, self.sharded, self.trained = getattr(args, "fsdp", False), [], None  # trained: (root, optimizer)
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -1133,6 +1175,63 @@ class Run:
         self.start = self.step = state["step"]
         return state
 
+    def shard(self, module, layers: list):
+        """--fsdp: FSDP2's fully_shard on each decoder layer, then on `module` (the root, which keeps the rest: the
+        embeddings, the head); on CUDA the parameters compute in bfloat16 and gradients reduce in float32."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if self.device.type == "cuda" else MixedPrecisionPolicy()
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        self.sharded.append(fully_shard(module, mesh=mesh, mp_policy=mp))
+        module._get_fsdp_state()._lazy_init()  # `module` is the root even if a layer runs first (generate, evaluation)
+        return module
+
+    @contextlib.contextmanager
+    def whole(self):
+        """--fsdp: every process holds the whole weights inside (sampling, evaluation), so a process may run more decode
+        steps than another without a collective per step; they are sharded again on leaving. Else nothing."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [u for root in self.sharded for u in root.modules() if isinstance(u, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(True, recurse=False)
+
+    def full_weights(self, model) -> Optional[dict]:
+        """--fsdp: the model's whole state dict, gathered on every process (a collective); None without FSDP."""
+        from torch.distributed.tensor import DTensor
+
+        if not self.fsdp:
+            return None
+        gathered = {}  # by tensor: tied weights (embeddings and lm_head) stay one tensor, as save_pretrained expects
+        for v in model.state_dict(keep_vars=True).values():
+            if id(v) not in gathered:
+                gathered[id(v)] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        return {k: gathered[id(v)] for k, v in model.state_dict(keep_vars=True).items()}
+
+    def load_sharded(self, path) -> None:
+        """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
+        (torch.distributed.checkpoint), each process reading its own shards."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if not (Path(path) / "sharded").is_dir():
+            raise ValueError(f"--fsdp --resume {path}: the checkpoint has no sharded/ folder (it was written without "
+                             f"--fsdp, or its sharded state was not finished): resume it without --fsdp")
+        model_state, optim_state = get_state_dict(*self.trained)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(Path(path) / "sharded"))
+        set_state_dict(*self.trained, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] on each process -> [world * n, ...] in rank order."""
         if not self.ddp:
@@ -1144,13 +1243,23 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
         """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, step, args, RNGs, every process's
         `per_rank` tensors)."""
-        path = self.dir / "checkpoints" / f"step_{self.step}"
+        path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         if self.rank == 0:
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
-                self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()})
+                self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights)
         self.barrier()
+        if self.fsdp:  # the sharded weights and optimizer states (DCP), renamed into place once every shard is written
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(*self.trained)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path / ".tmp-sharded"))
+            self.barrier()
+            if self.rank == 0:
+                os.replace(path / ".tmp-sharded", path / "sharded")
+            self.barrier()
         return path
 
     def barrier(self) -> None:
@@ -1173,13 +1282,12 @@ class Run:
 
     def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
         """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed."""
-        metrics = {}
-        if self.rank == 0:
-            metrics, samples = measure()
-            if metrics:
-                self.log({"step": self.step, **metrics}, ("eval/samples", ["prompt", "completion", "answer"],
-                                                          [list(s) for s in samples[:16]]))
-                self.say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        with self.whole():
+            metrics, samples = measure() if self.rank == 0 else ({}, [])
+        if metrics:
+            self.log({"step": self.step, **metrics}, ("eval/samples", ["prompt", "completion", "answer"],
+                                                      [list(s) for s in samples[:16]]))
+            self.say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         self.barrier()
         return metrics
 
@@ -1266,8 +1374,10 @@ class Run:
         if not self.stop:
             final.update(self.evaluate(measure))
             save()
+            model = model if isinstance(model, torch.nn.Module) else model()
+            weights = self.full_weights(model)
             if self.rank == 0:
-                save_pretrained(self.dir / "final", model if isinstance(model, torch.nn.Module) else model(), tokenizer)
+                save_pretrained(self.dir / "final", model, tokenizer, weights=weights)
                 print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
                     f" | {k} {self.first[k]:.4g} -> {v:.4g}" for k, v in self.last.items() if k.startswith("eval/")))
                 print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)

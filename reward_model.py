@@ -28,6 +28,7 @@ Deviations (why, and the measurements: docs/reward_model.md):
 - Held-out accuracy counts ties as wrong; dropout is off; AdamW with warmup and cosine decay.
 """
 
+import contextlib
 import copy
 import json
 import math
@@ -577,7 +578,7 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(model.device)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids or
-                             tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                             tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
         samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
     model.train()
@@ -648,7 +649,7 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
             cache.batch_repeat_interleave(counts)
             extra["past_key_values"] = cache
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen],
-                             **extra)
+                             synced_gpus=False, **extra)  # (--fsdp samples with whole weights: no lockstep)
         completion_ids = out[:, ids.shape[1]:]
         return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
     finally:
@@ -786,6 +787,8 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
             raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
                              f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+    if getattr(args, "fsdp", False):
+        check_fsdp(args)
     if args.track and os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled"):
         try:
             import wandb
@@ -794,6 +797,29 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         except Exception as e:
             raise ValueError(f"--track: {e} Run `wandb login` (or set WANDB_API_KEY), or log locally with "
                              f"WANDB_MODE=offline") from None
+
+
+def check_fsdp(args) -> None:
+    """--fsdp: launched by torchrun, no LoRA, and decoder layers to shard (found on a weightless copy of the model)."""
+    from transformers import AutoConfig, AutoModel
+
+    if "LOCAL_RANK" not in os.environ:
+        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N (one process "
+                         "per GPU), or drop --fsdp for a single process")
+    if getattr(args, "lora_r", 0):
+        raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
+                         "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+    with torch.device("meta"):
+        decoder_layers(AutoModel.from_config(AutoConfig.from_pretrained(args.model_name_or_path)))
+
+
+def decoder_layers(model) -> list:
+    """The blocks FSDP2 shards one by one: the longest ModuleList of a single block class (model.layers, h, ...)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
+    if not lists:
+        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__} (a torch.nn.ModuleList of "
+                         f"one block class, e.g. model.layers): drop --fsdp and use DDP for this model")
+    return list(max(lists, key=len))
 
 
 def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
@@ -838,11 +864,12 @@ def resume_args(args, may_change: tuple[str, ...]):
     return out, changed
 
 
-def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None) -> None:
-    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint."""
+def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None) -> None:
+    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. weights: the state
+    dict to write (--fsdp gathers it), else the model's own."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
     if (tmp / "generation_config.json").exists() and "policy" in CHECKPOINT_GENERATION_CONFIG:
         CHECKPOINT_GENERATION_CONFIG["policy"].save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -868,6 +895,7 @@ class Run:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
+        self.fsdp, self.sharded, self.trained = getattr(args, "fsdp", False), [], None  # trained: (root, optimizer)
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -890,6 +918,63 @@ class Run:
         self.start = self.step = state["step"]
         return state
 
+    def shard(self, module, layers: list):
+        """--fsdp: FSDP2's fully_shard on each decoder layer, then on `module` (the root, which keeps the rest: the
+        embeddings, the head); on CUDA the parameters compute in bfloat16 and gradients reduce in float32."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if self.device.type == "cuda" else MixedPrecisionPolicy()
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        self.sharded.append(fully_shard(module, mesh=mesh, mp_policy=mp))
+        module._get_fsdp_state()._lazy_init()  # `module` is the root even if a layer runs first (generate, evaluation)
+        return module
+
+    @contextlib.contextmanager
+    def whole(self):
+        """--fsdp: every process holds the whole weights inside (sampling, evaluation), so a process may run more decode
+        steps than another without a collective per step; they are sharded again on leaving. Else nothing."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [u for root in self.sharded for u in root.modules() if isinstance(u, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(True, recurse=False)
+
+    def full_weights(self, model) -> Optional[dict]:
+        """--fsdp: the model's whole state dict, gathered on every process (a collective); None without FSDP."""
+        from torch.distributed.tensor import DTensor
+
+        if not self.fsdp:
+            return None
+        gathered = {}  # by tensor: tied weights (embeddings and lm_head) stay one tensor, as save_pretrained expects
+        for v in model.state_dict(keep_vars=True).values():
+            if id(v) not in gathered:
+                gathered[id(v)] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        return {k: gathered[id(v)] for k, v in model.state_dict(keep_vars=True).items()}
+
+    def load_sharded(self, path) -> None:
+        """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
+        (torch.distributed.checkpoint), each process reading its own shards."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if not (Path(path) / "sharded").is_dir():
+            raise ValueError(f"--fsdp --resume {path}: the checkpoint has no sharded/ folder (it was written without "
+                             f"--fsdp, or its sharded state was not finished): resume it without --fsdp")
+        model_state, optim_state = get_state_dict(*self.trained)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(Path(path) / "sharded"))
+        set_state_dict(*self.trained, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] on each process -> [world * n, ...] in rank order."""
         if not self.ddp:
@@ -901,13 +986,23 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
         """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, step, args, RNGs, every process's
         `per_rank` tensors)."""
-        path = self.dir / "checkpoints" / f"step_{self.step}"
+        path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         if self.rank == 0:
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
-                self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()})
+                self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights)
         self.barrier()
+        if self.fsdp:  # the sharded weights and optimizer states (DCP), renamed into place once every shard is written
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(*self.trained)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path / ".tmp-sharded"))
+            self.barrier()
+            if self.rank == 0:
+                os.replace(path / ".tmp-sharded", path / "sharded")
+            self.barrier()
         return path
 
     def barrier(self) -> None:
@@ -930,13 +1025,12 @@ class Run:
 
     def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
         """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed."""
-        metrics = {}
-        if self.rank == 0:
-            metrics, samples = measure()
-            if metrics:
-                self.log({"step": self.step, **metrics}, ("eval/samples", ["prompt", "completion", "answer"],
-                                                          [list(s) for s in samples[:16]]))
-                self.say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        with self.whole():
+            metrics, samples = measure() if self.rank == 0 else ({}, [])
+        if metrics:
+            self.log({"step": self.step, **metrics}, ("eval/samples", ["prompt", "completion", "answer"],
+                                                      [list(s) for s in samples[:16]]))
+            self.say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         self.barrier()
         return metrics
 
@@ -1023,8 +1117,10 @@ class Run:
         if not self.stop:
             final.update(self.evaluate(measure))
             save()
+            model = model if isinstance(model, torch.nn.Module) else model()
+            weights = self.full_weights(model)
             if self.rank == 0:
-                save_pretrained(self.dir / "final", model if isinstance(model, torch.nn.Module) else model(), tokenizer)
+                save_pretrained(self.dir / "final", model, tokenizer, weights=weights)
                 print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
                     f" | {k} {self.first[k]:.4g} -> {v:.4g}" for k, v in self.last.items() if k.startswith("eval/")))
                 print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)

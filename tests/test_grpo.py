@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, train_rows
+from conftest import read_metrics, run_torchrun, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig, GPT2Config
 
@@ -471,6 +471,31 @@ def test_resume_with_more_steps_continues_the_lr_decay(tiny, tmp_path):
     assert saved["total_steps"] == 4 and saved["resumed"][-1]["overrides"] == {"total_steps": [4, 6]}
 
 
+def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny, tmp_path):
+    """--fsdp on CPU (gloo, 2 processes): the same 3 steps as DDP to float tolerance (both average the gradients of
+    the same rows); resumed from step 2's sharded checkpoint, step 3 again; final/ is one safetensors model, DDP's."""
+    flags = ["--model-name-or-path", str(tiny / "model"), "--dataset", str(tiny / "data"), "--reward", "capitalization",
+             "--total-steps", "3", "--num-generations", "4", "--prompts-per-step", "4", "--micro-batch-size", "4",
+             "--max-completion-length", "8", "--eval-split", "None", "--warmup-steps", "0", "--learning-rate", "3e-3",
+             "--beta", "0.04", "--save-every", "2"]
+    run_torchrun("grpo.py", *flags, "--output-dir", str(tmp_path / "ddp"))
+    run_torchrun("grpo.py", *flags, "--output-dir", str(tmp_path / "fsdp"), "--fsdp")
+    (ddp,), (fsdp,) = (tmp_path / "ddp").iterdir(), (tmp_path / "fsdp").iterdir()
+    for a, b in zip(train_rows(ddp), train_rows(fsdp), strict=True):
+        for k in ("train/loss", "train/reward", "train/kl", "train/clip_frac", "train/grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    assert (fsdp / "checkpoints" / "step_2" / "sharded").is_dir() and not (ddp / "checkpoints" / "step_2" / "sharded").exists()
+    whole, reference = load_file(fsdp / "final" / "model.safetensors"), load_file(ddp / "final" / "model.safetensors")
+    assert whole.keys() == reference.keys() and all(torch.allclose(whole[k], reference[k], atol=1e-5) for k in whole)
+    AutoModelForCausalLM.from_pretrained(fsdp / "final")
+    straight = train_rows(fsdp)
+    (fsdp / "metrics.jsonl").write_text("")
+    run_torchrun("grpo.py", "--resume", str(fsdp / "checkpoints" / "step_2"))
+    (resumed,) = train_rows(fsdp)
+    for k in ("train/loss", "train/reward", "train/kl", "train/grad_norm"):
+        assert resumed[k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
+
+
 def test_lr_factor_anchor_continues_the_decay():
     # cosine over 10 steps (warmup 2) resumed at step 6 with 20 steps: starts where it was, ends at 0
     f6 = grpo.lr_factor(6, 2, 10, "cosine")
@@ -519,6 +544,7 @@ def test_learning_on_the_embedded_task(tmp_path):
     ({"delta": 1.1}, "above 1 + --clip-high = 1.2"),
     ({"delta": 4.0, "loss_type": "cispo"}, "it needs a clip loss type"),
     ({"importance_sampling_cap": 0.5}, "must be >= 1, e.g. 2"),
+    ({"fsdp": True}, "launch with torchrun --nproc-per-node N"),
     ({"top_entropy_quantile": 0.0}, "--top-entropy-quantile must be in (0, 1]"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
@@ -526,6 +552,18 @@ def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
         grpo.main(tiny_args(tiny, tmp_path, **overrides))
     assert message in str(e.value)
     assert not any(tmp_path.iterdir())  # no run directory was created
+
+
+def test_fsdp_bad_input_fails_before_loading(tiny, tmp_path, monkeypatch):
+    """Under torchrun (LOCAL_RANK set), --fsdp with LoRA, or with a model without a list of decoder layers, fails in
+    the checks, before any process group or model exists."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="--fsdp with --lora-r is not supported"):
+        grpo.main(tiny_args(tiny, tmp_path, fsdp=True, lora_r=4))
+    with pytest.raises(ValueError, match="no list of decoder layers found in Sequential"):
+        grpo.decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    assert len(grpo.decoder_layers(AutoModelForCausalLM.from_pretrained(tiny / "model"))) == 2
+    assert not any(tmp_path.iterdir())
 
 
 def test_default_micro_batch_fits_the_batch(tiny, tmp_path):
