@@ -21,6 +21,7 @@ Deviations and choices (details: docs/sft.md):
 - `--dtype auto` keeps float32 weights and autocasts to bfloat16 on CUDA (float32 on CPU).
 """
 
+import contextlib
 import json
 import math
 import os
