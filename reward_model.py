@@ -809,8 +809,10 @@ def check_fsdp(args) -> None:
     if getattr(args, "lora_r", 0):
         raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
                          "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+    config = (AutoConfig.for_model(**json.loads(Path(args.model_config).read_text())) if getattr(args, "model_config",
+              None) else AutoConfig.from_pretrained(args.model_name_or_path))
     with torch.device("meta"):
-        decoder_layers(AutoModel.from_config(AutoConfig.from_pretrained(args.model_name_or_path)))
+        decoder_layers(AutoModel.from_config(config))
 
 
 def decoder_layers(model) -> list:

@@ -108,6 +108,8 @@ class Args:
     """gradient clipping by global norm"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -307,21 +309,28 @@ def main(args: Args) -> dict:
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     raw_model = model
-    if run.ddp:
+    if run.fsdp:  # each decoder layer sharded over the processes (FSDP2)
+        model = run.shard(model, decoder_layers(model))
+    elif run.ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
 
     # 3. Optimiser, schedule and data order; on --resume the weights, then all their states.
     optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
+    run.trained = (model, optimizer)  # what --fsdp checkpoints in shards
     lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     batches = Batches(len(examples), args.batch_size, args.seed)
     if args.resume:
-        raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=weights_dtype).state_dict())
+        if run.fsdp:
+            run.load_sharded(args.resume)
+        else:
+            raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=weights_dtype).state_dict())
         state = run.load_state()
-        optimizer.load_state_dict(state["optimizer"])
+        if not run.fsdp:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         batches.load(state)
         lr_anchor = state["lr_anchor"]
@@ -337,7 +346,8 @@ def main(args: Args) -> dict:
         return {"eval/accuracy": acc}, samples
 
     def save() -> Path:
-        return run.checkpoint(raw_model, tokenizer, {"optimizer": optimizer.state_dict(), "lr_anchor": lr_anchor,
+        return run.checkpoint(raw_model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
+                                                     "lr_anchor": lr_anchor,
                                                      "scheduler": scheduler.state_dict(), **batches.state()}, {})
 
     # 4. Train.
@@ -630,8 +640,10 @@ def check_fsdp(args) -> None:
     if getattr(args, "lora_r", 0):
         raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
                          "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+    config = (AutoConfig.for_model(**json.loads(Path(args.model_config).read_text())) if getattr(args, "model_config",
+              None) else AutoConfig.from_pretrained(args.model_name_or_path))
     with torch.device("meta"):
-        decoder_layers(AutoModel.from_config(AutoConfig.from_pretrained(args.model_name_or_path)))
+        decoder_layers(AutoModel.from_config(config))
 
 
 def decoder_layers(model) -> list:

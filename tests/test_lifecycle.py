@@ -146,6 +146,31 @@ def test_torchrun_two_processes_resume_exactly(tiny, tmp_path, script):
             assert resumed[k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
 
 
+FSDP_SCRIPTS = ["grpo", "sft"]
+
+
+@pytest.mark.parametrize("script", FSDP_SCRIPTS)
+def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny, tmp_path, script):
+    """--fsdp on CPU (gloo, 2 processes): the same 3 steps as DDP to float tolerance (both average the gradients of
+    the same rows); resumed from step 2's sharded checkpoint, step 3 again; final/ is one safetensors model, DDP's."""
+    for parallel in ("ddp", "fsdp"):
+        flags = cli(script, tiny, tmp_path / parallel, total_steps=3, eval_split=None, save_every=2)[2:]
+        run_torchrun(f"{script}.py", *flags, *(["--fsdp"] if parallel == "fsdp" else []))
+    (ddp,), (fsdp,) = (tmp_path / "ddp").iterdir(), (tmp_path / "fsdp").iterdir()
+    straight = train_rows(fsdp)
+    for a, b in zip(train_rows(ddp), straight, strict=True):
+        for k in (k for k in a if k.startswith(("train/", "rewards/"))):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    assert (fsdp / "checkpoints" / "step_2" / "sharded").is_dir() and not (ddp / "checkpoints" / "step_2" / "sharded").exists()
+    whole, reference = load_file(fsdp / "final" / "model.safetensors"), load_file(ddp / "final" / "model.safetensors")
+    assert whole.keys() == reference.keys() and all(torch.allclose(whole[k], reference[k], atol=1e-5) for k in whole)
+    (fsdp / "metrics.jsonl").write_text("")
+    run_torchrun(f"{script}.py", "--resume", str(fsdp / "checkpoints" / "step_2"))
+    (resumed,) = train_rows(fsdp)
+    for k in (k for k in resumed if k.startswith(("train/", "rewards/"))):
+        assert resumed[k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
+
+
 def test_the_end_of_a_run_says_what_it_reached_and_where_final_is(tiny, tmp_path, capsys):
     out = module("grpo").main(tiny_args("grpo", tiny, tmp_path))
     printed = capsys.readouterr().out
