@@ -149,6 +149,8 @@ class Args:
     """one row per pair holding the prompt and the completions' common start once (plain rows if a model fails)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -240,7 +242,8 @@ def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, o
 
 
 class PolicyLogprobs(torch.nn.Module):
-    """The policy as DistributedDataParallel sees it: DDP synchronises gradients of the module whose forward runs."""
+    """The policy as DDP and FSDP2 see it: they act around the forward of the module they wrap (DDP syncs gradients,
+    FSDP2 gathers the weights outside the decoder layers: embeddings and lm_head)."""
 
     def __init__(self, model, logprobs: Callable):
         super().__init__()
@@ -570,34 +573,43 @@ def main(args: Args) -> dict:
         return tuple(t.to(device) for t in (pack_pairs if packed else collate_pairs)(rows, tokenizer.pad_token_id))
 
     policy = PolicyLogprobs(model, logprobs)
-    if run.ddp:
+    ref_model = ref_model and PolicyLogprobs(ref_model, logprobs)
+    if run.fsdp:  # each decoder layer sharded over the processes, the reference too (FSDP2)
+        policy = run.shard(policy, decoder_layers(model))
+        ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
+    elif run.ddp:
         policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda"
                                                            else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
 
     # The reference's log-probs of the held-out pairs (and with --precompute-ref-logps of every training pair), once,
     # from the policy itself: it holds the initial weights until section 3 loads a resumed run's: it is the reference.
-    eval_ref = pair_logps(raw_model, eval_pairs, logprobs, collate, micro, autocast) if uses_ref else None
-    train_ref = pair_logps(raw_model, pairs, logprobs, collate, micro, autocast) if args.precompute_ref_logps else None
+    with run.whole():  # --fsdp: raw_model is called outside the sharded root's forward
+        eval_ref = pair_logps(raw_model, eval_pairs, logprobs, collate, micro, autocast) if uses_ref else None
+        train_ref = (pair_logps(raw_model, pairs, logprobs, collate, micro, autocast) if args.precompute_ref_logps
+                     else None)
 
     @torch.no_grad()
     def reference(rows: list[int], tensors: tuple) -> torch.Tensor:  # [2, m]: precomputed, or one no-grad pass
         if train_ref is not None:
             return train_ref[rows].T.to(device)
         if ref_model is not None:
-            return logprobs(ref_model, *tensors).float().view(2, -1)
+            return ref_model(*tensors).float().view(2, -1)
         with raw_model.disable_adapter():  # LoRA: the reference is the base model without adapters
             return logprobs(raw_model, *tensors).float().view(2, -1)
 
     # 3. Optimiser, schedule and data order; on --resume the weights, then all their states.
     optimizer = torch.optim.AdamW([p for p in raw_model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    run.trained = (policy, optimizer)  # what --fsdp checkpoints in shards
     lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     order = PairOrder(len(pairs), args.seed)
     if args.resume:
-        if args.lora_r:
+        if run.fsdp:
+            run.load_sharded(args.resume)
+        elif args.lora_r:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
@@ -607,7 +619,8 @@ def main(args: Args) -> dict:
             raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume,
                                                                            dtype=weights_dtype).state_dict())
         state = run.load_state()
-        optimizer.load_state_dict(state["optimizer"])
+        if not run.fsdp:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         order.load(state)
         lr_anchor = state["lr_anchor"]
@@ -628,7 +641,8 @@ def main(args: Args) -> dict:
         return metrics, samples
 
     def save() -> Path:
-        return run.checkpoint(raw_model, tokenizer, {"optimizer": optimizer.state_dict(), "lr_anchor": lr_anchor,
+        return run.checkpoint(raw_model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
+                                                     "lr_anchor": lr_anchor,
                                                      "scheduler": scheduler.state_dict(), **order.state()}, per_rank={})
 
     # 4. Train.
