@@ -122,6 +122,8 @@ class Args:
     """score each pair in one row holding the prefix its two texts share once (same scores, fewer tokens)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -464,19 +466,24 @@ def main(args: Args) -> dict:
         run.say(f"--pack-pairs: scoring chosen and rejected texts in rows of their own, as {why_not_packed}")
     packed = args.pack_pairs and not why_not_packed
     scorer = PairScorer(model, packed)
-    if run.ddp:
+    if run.fsdp:  # each decoder layer sharded over the processes (FSDP2)
+        scorer = run.shard(scorer, decoder_layers(model))
+    elif run.ddp:
         scorer = torch.nn.parallel.DistributedDataParallel(scorer, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
 
     # 3. Optimiser, schedule and data order (the same on every process); on --resume the weights, then their states.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    run.trained = (scorer, optimizer)  # what --fsdp checkpoints in shards
     lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     order = PairOrder(len(pairs), args.seed)
     if args.resume:
-        if args.lora_r:
+        if run.fsdp:
+            run.load_sharded(args.resume)
+        elif args.lora_r:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
@@ -485,7 +492,8 @@ def main(args: Args) -> dict:
             model.load_state_dict(AutoModelForSequenceClassification.from_pretrained(
                 args.resume, num_labels=1, dtype=weights_dtype).state_dict())
         state = run.load_state()
-        optimizer.load_state_dict(state["optimizer"])
+        if not run.fsdp:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         order.load(state)
         lr_anchor = state["lr_anchor"]
@@ -497,7 +505,7 @@ def main(args: Args) -> dict:
         return (pair_metrics(model, eval_pairs, pad_id, device, autocast, run.progress) if eval_pairs else {}), []
 
     def save() -> Path:
-        return run.checkpoint(model, tokenizer, {"optimizer": optimizer.state_dict(), "scheduler":
+        return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler":
                                                      scheduler.state_dict(), "lr_anchor": lr_anchor, **order.state()},
                               per_rank={})
 
@@ -538,14 +546,16 @@ def main(args: Args) -> dict:
     # 5. The reward model (LoRA merged into it) and the mean and std of its scores of the training pairs' chosen texts,
     #    for ppo.py's whitened rewards; then the final evaluation, a checkpoint, and final/ with the statistics.
     merged, stats, notes = model, {}, ()
-    if rank == 0 and not run.stop:
-        merged = copy.deepcopy(model).merge_and_unload() if args.lora_r else model
-        chosen = score_sequences(merged, [c for c, _, _ in pairs], pad_id, device, autocast, progress=run.progress)
-        stats = {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
-        final.update({f"final/{k}": v for k, v in stats.items()})
-        notes = (f"reward statistics for ppo.py: reward_mean {stats['reward_mean']:.4g}, reward_std "
-                 f"{stats['reward_std']:.4g} (saved in {run.dir / 'final'}/config.json; the reward "
-                 f'{{"type": "reward_model", "model": "{run.dir / "final"}", "normalize": true}} whitens with them)',)
+    with run.whole():  # --fsdp: rank 0 scores with whole weights
+        if rank == 0 and not run.stop:
+            merged = copy.deepcopy(model).merge_and_unload() if args.lora_r else model
+            chosen = score_sequences(merged, [c for c, _, _ in pairs], pad_id, device, autocast, progress=run.progress)
+            stats = {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
+            final.update({f"final/{k}": v for k, v in stats.items()})
+            notes = (f"reward statistics for ppo.py: reward_mean {stats['reward_mean']:.4g}, reward_std "
+                     f"{stats['reward_std']:.4g} (saved in {run.dir / 'final'}/config.json; the reward "
+                     f'{{"type": "reward_model", "model": "{run.dir / "final"}", "normalize": true}} '
+                     f'whitens with them)',)
 
     def final_model():  # the statistics go into final/config.json, not into the last checkpoint's
         merged.config.update(stats)
