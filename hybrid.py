@@ -249,6 +249,8 @@ class Args:
     """gradient clipping by global norm, for the language model and the value head each on its own"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -330,7 +332,7 @@ def sft_step(actor_critic, optimizer, batch: list[tuple], run, micro: int, pad_i
     nll_sum = 0.0
     for k in range(0, share, micro):
         ids, mask, labels = (t.to(run.device) for t in collate(mine[k : k + micro], pad_id))
-        with (actor_critic.no_sync() if run.ddp and k + micro < share else torch.enable_grad()), autocast:
+        with (actor_critic.no_sync() if run.ddp and not run.fsdp and k + micro < share else torch.enable_grad()), autocast:
             nll, _ = actor_critic(ids, mask, labels=labels)
             (nll * run.world / n_tokens).backward()  # DDP averages gradients over processes
         nll_sum += nll.item()
@@ -558,11 +560,14 @@ class ActorCritic(torch.nn.Module):
                                               with_entropy=True, **lm_head(self.policy, hidden.dtype))
         return logp, entropy, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
-    def save_pretrained(self, path, **kwargs) -> None:
-        """The language model as its save_pretrained writes it, and value_head.safetensors beside it."""
-        self.policy.save_pretrained(path, **kwargs)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
-                  Path(path) / "value_head.safetensors")
+    def save_pretrained(self, path, state_dict: Optional[dict] = None, **kwargs) -> None:
+        """The language model as its save_pretrained writes it, and value_head.safetensors beside it. state_dict:
+        both, gathered (--fsdp)."""
+        state_dict = state_dict or {f"value_head.{k}": v for k, v in self.value_head.state_dict().items()}
+        policy = {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
+        self.policy.save_pretrained(path, state_dict=policy or None, **kwargs)
+        save_file({k[len("value_head."):]: v.detach().cpu().contiguous() for k, v in state_dict.items()
+                   if k.startswith("value_head.")}, Path(path) / "value_head.safetensors")
 
 
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
@@ -627,8 +632,8 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: 
 def reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
     """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the policy with its adapters off.
     inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
-    if ref_model is not None:
-        return completion_logprobs(ref_model, *inputs, temperature)
+    if ref_model is not None:  # Forward(completion_logprobs, the copy)
+        return ref_model(*inputs, temperature)
     with model.disable_adapter():
         return completion_logprobs(model, *inputs, temperature)
 
@@ -751,8 +756,8 @@ def ppo_step(actor_critic, optimizer, batch: dict, ref_model, kl_ctl: KLControll
              autocast) -> tuple[dict, dict]:
     """Steps 2-5 of the header on a scored rollout batch, as ppo.py's loop: pi_old's and pi_ref's log-probs and V_old,
     advantages, the PPO epochs, the KL controller -> (the batch with its advantages and scores, the step's metrics)."""
-    batch = old_logprobs_and_values(actor_critic.module if run.ddp else actor_critic, ref_model, batch, micro, args,
-                                    autocast)
+    batch = old_logprobs_and_values(actor_critic.module if run.ddp and not run.fsdp else actor_critic, ref_model, batch,
+                                    micro, args, autocast)
     gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * batch["completion_mask"]).sum(),
                       batch["completion_mask"].sum())
     kl_coef = kl_ctl.value
@@ -983,10 +988,13 @@ def main(args: Args) -> dict:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
     elif args.beta > 0:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        ref_model = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
     raw_model, raw_actor_critic = model, ActorCritic(model, value_head)
     actor_critic = raw_actor_critic
-    if run.ddp:  # an SFT step leaves the value head without a gradient
+    if run.fsdp:  # each decoder layer sharded over the processes, the reference too (FSDP2)
+        actor_critic = run.shard(actor_critic, decoder_layers(model))
+        ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
+    elif run.ddp:  # an SFT step leaves the value head without a gradient
         actor_critic = torch.nn.parallel.DistributedDataParallel(
             actor_critic, device_ids=[device] if device.type == "cuda" else None, find_unused_parameters=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
@@ -1002,19 +1010,24 @@ def main(args: Args) -> dict:
     optimizer = make_optimizer(args.optimizer, [{"params": policy_params, "lr": args.learning_rate}, {
         "params": value_params, "lr": args.value_head_lr or args.learning_rate}], args)
     scheduler = make_scheduler(args.lr_scheduler, optimizer, args)
+    run.trained = (actor_critic, optimizer)  # what --fsdp checkpoints in shards
     kl_ctl = KLController(args.kl_controller, args.beta, args.kl_target, args.kl_horizon)
     kinds = step_kinds(args.total_steps, args.sft_fraction_start, args.sft_fraction_end, args.curriculum, args.seed)
     order, sft_order = DataOrder(len(prompt_ids), args.seed * 1000 + rank), DataOrder(len(examples), args.seed)
     if args.resume:
-        if args.lora_r:
+        if run.fsdp:
+            run.load_sharded(args.resume)
+        elif args.lora_r:
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(raw_model, load_file(Path(args.resume) / "adapter_model.safetensors", device=str(device)))
         else:
             raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=weights_dtype).state_dict())
-        value_head.load_state_dict(load_file(Path(args.resume) / "value_head.safetensors", device=str(device)))
+        if not run.fsdp:
+            value_head.load_state_dict(load_file(Path(args.resume) / "value_head.safetensors", device=str(device)))
         state = run.load_state()
-        optimizer.load_state_dict(state["optimizer"])
+        if not run.fsdp:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         reward.load_state_dict(state["reward"])
         kl_ctl.load_state_dict(state["kl_controller"])
@@ -1032,7 +1045,8 @@ def main(args: Args) -> dict:
 
     def save() -> Path:
         return run.checkpoint(raw_actor_critic, tokenizer, {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "reward": reward.state_dict(),
+            "optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "reward": reward.state_dict(),
             "kl_controller": kl_ctl.state_dict(), "sft_order": sft_order.state()}, per_rank=order.state())
 
     # 4. Train.
@@ -1059,8 +1073,9 @@ def main(args: Args) -> dict:
                 metrics, n_tokens = sft_step(actor_critic, optimizer, [examples[i] for i in sft_order.draw(
                     args.sft_batch_size)], run, sft_micro, tokenizer.pad_token_id, args.max_grad_norm, autocast)
             else:
-                batch = rollout(raw_model, tokenizer, data, [i for i in order.draw(groups) for _ in range(G)],
-                                gen_config, args.generation_backend, eos_tensor, reward, autocast, timing)
+                with run.whole():  # --fsdp: whole weights while sampling (processes may take different numbers of steps)
+                    batch = rollout(raw_model, tokenizer, data, [i for i in order.draw(groups) for _ in range(G)],
+                                    gen_config, args.generation_backend, eos_tensor, reward, autocast, timing)
                 t_train = time.perf_counter()
                 batch, metrics = ppo_step(actor_critic, optimizer, batch, ref_model, kl_ctl, run, args, micro, autocast)
                 n_tokens = int(batch["attention"].sum()) * world
@@ -1192,6 +1207,18 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
         return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
     finally:
         model.train(training)
+
+
+class Forward(torch.nn.Module):
+    """fn(module, *args) as a module's forward, so that DDP and FSDP2, which act around forward, see it (a frozen
+    reference's log-probs, read off its decoder and lm_head)."""
+
+    def __init__(self, fn: Callable, module):
+        super().__init__()
+        self.fn, self.module = fn, module
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
 
 
 def sampler_gap(run, gap_sum, tokens) -> float:
@@ -1474,11 +1501,12 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: every process holds the whole weights inside (sampling, evaluation), so a process may run more decode
-        steps than another without a collective per step; they are sharded again on leaving. Else nothing."""
+        """--fsdp: every process holds the whole weights of the trained model (sharded first) inside: sampling and
+        evaluation run without a collective per decode step, so a process may run more steps than another; sharded
+        again on leaving. The reference stays sharded. Without --fsdp, nothing."""
         from torch.distributed.fsdp import FSDPModule
 
-        units = [u for root in self.sharded for u in root.modules() if isinstance(u, FSDPModule)]
+        units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
         for unit in units:
             unit.unshard()
             unit.set_reshard_after_forward(False, recurse=False)

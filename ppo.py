@@ -182,6 +182,8 @@ class Args:
     """gradient clipping by global norm, for each model on its own"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -448,9 +450,16 @@ class PolicyAndValue:
     def __init__(self, policy, value_model, tokenizer):
         self.policy, self.value_model, self.tokenizer = policy, value_model, tokenizer
 
-    def save_pretrained(self, path: Path, **kwargs) -> None:
-        self.policy.save_pretrained(path, **kwargs)
-        self.value_model.save_pretrained(path / "value_model", **kwargs)
+    def state_dict(self, keep_vars: bool = False) -> dict:
+        return {f"{name}.{k}": v for name in ("policy", "value_model")
+                for k, v in getattr(self, name).state_dict(keep_vars=keep_vars).items()}
+
+    def save_pretrained(self, path: Path, state_dict: Optional[dict] = None, **kwargs) -> None:
+        def part(name):  # --fsdp passes the gathered weights of both
+            return None if state_dict is None else {k[len(name) + 1:]: v for k, v in state_dict.items()
+                                                    if k.startswith(name + ".")}
+        self.policy.save_pretrained(path, state_dict=part("policy"), **kwargs)
+        self.value_model.save_pretrained(path / "value_model", state_dict=part("value_model"), **kwargs)
         self.tokenizer.save_pretrained(path / "value_model")
 
 
@@ -516,8 +525,8 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: 
 def reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
     """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the policy with its adapters off.
     inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
-    if ref_model is not None:
-        return completion_logprobs(ref_model, *inputs, temperature)
+    if ref_model is not None:  # Forward(completion_logprobs, the copy)
+        return ref_model(*inputs, temperature)
     with model.disable_adapter():
         return completion_logprobs(model, *inputs, temperature)
 
@@ -746,10 +755,13 @@ def main(args: Args) -> dict:
                               for m, task, exclude in ((model, "CAUSAL_LM", None),
                                                        (value_model, "TOKEN_CLS", ["score", "classifier"])))
     elif args.beta > 0:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        ref_model = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
     raw_model, raw_value = model, value_model
     raw_actor_critic = actor_critic = ActorCritic(model, value_model)
-    if run.ddp:
+    if run.fsdp:  # each decoder layer of both models sharded over the processes, the reference too (FSDP2)
+        actor_critic = run.shard(actor_critic, decoder_layers(model) + decoder_layers(value_model))
+        ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
+    elif run.ddp:
         actor_critic = torch.nn.parallel.DistributedDataParallel(
             actor_critic, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
@@ -764,6 +776,7 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW([{"params": policy_params, "lr": args.learning_rate},
                                    {"params": value_params, "lr": args.value_learning_rate}],
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    run.trained = (actor_critic, optimizer)  # what --fsdp checkpoints in shards
     lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
@@ -771,7 +784,9 @@ def main(args: Args) -> dict:
     order = DataOrder(len(prompt_ids), args.seed * 1000 + rank)
     if args.resume:
         ckpt = Path(args.resume)
-        if args.lora_r:
+        if run.fsdp:
+            run.load_sharded(ckpt)
+        elif args.lora_r:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
@@ -781,7 +796,8 @@ def main(args: Args) -> dict:
             raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=weights_dtype).state_dict())
             raw_value.load_state_dict(load_value_model(str(ckpt / "value_model"), weights_dtype).state_dict())
         state = run.load_state()
-        optimizer.load_state_dict(state["optimizer"])
+        if not run.fsdp:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         reward.load_state_dict(state["reward"])
         kl_ctl.load_state_dict(state["kl_controller"])
@@ -800,7 +816,8 @@ def main(args: Args) -> dict:
 
     def save() -> Path:
         return run.checkpoint(PolicyAndValue(raw_model, raw_value, tokenizer), tokenizer, {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "reward": reward.state_dict(),
+            "optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "reward": reward.state_dict(),
             "kl_controller": kl_ctl.state_dict(), "lr_anchor": lr_anchor}, per_rank=order.state())
 
     # 4. Train.
@@ -814,8 +831,9 @@ def main(args: Args) -> dict:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
             # 4a. Roll out: a completion (or G) for each prompt from pi_old, scored (Sec. 2 of arXiv:1909.08593).
-            batch = rollout(raw_model, tokenizer, data, [i for i in order.draw(groups) for _ in range(G)], gen_config,
-                            args.generation_backend, eos_tensor, reward, autocast, timing)
+            with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
+                batch = rollout(raw_model, tokenizer, data, [i for i in order.draw(groups) for _ in range(G)],
+                                gen_config, args.generation_backend, eos_tensor, reward, autocast, timing)
             t_train = time.perf_counter()
             # 4b. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients.
             batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast)
@@ -954,6 +972,18 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
         return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
     finally:
         model.train(training)
+
+
+class Forward(torch.nn.Module):
+    """fn(module, *args) as a module's forward, so that DDP and FSDP2, which act around forward, see it (a frozen
+    reference's log-probs, read off its decoder and lm_head)."""
+
+    def __init__(self, fn: Callable, module):
+        super().__init__()
+        self.fn, self.module = fn, module
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
 
 
 def sampler_gap(run, gap_sum, tokens) -> float:
@@ -1236,11 +1266,12 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: every process holds the whole weights inside (sampling, evaluation), so a process may run more decode
-        steps than another without a collective per step; they are sharded again on leaving. Else nothing."""
+        """--fsdp: every process holds the whole weights of the trained model (sharded first) inside: sampling and
+        evaluation run without a collective per decode step, so a process may run more steps than another; sharded
+        again on leaving. The reference stays sharded. Without --fsdp, nothing."""
         from torch.distributed.fsdp import FSDPModule
 
-        units = [u for root in self.sharded for u in root.modules() if isinstance(u, FSDPModule)]
+        units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
         for unit in units:
             unit.unshard()
             unit.set_reshard_after_forward(False, recurse=False)

@@ -487,6 +487,18 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
         model.train(training)
 
 
+class Forward(torch.nn.Module):
+    """fn(module, *args) as a module's forward, so that DDP and FSDP2, which act around forward, see it (a frozen
+    reference's log-probs, read off its decoder and lm_head)."""
+
+    def __init__(self, fn: Callable, module):
+        super().__init__()
+        self.fn, self.module = fn, module
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+
 def sampler_gap(run, gap_sum, tokens) -> float:
     """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
     a gap beyond float rounding stops the run (the update would be silently off-policy): 1e-3 with float32 weights and
@@ -767,11 +779,12 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: every process holds the whole weights inside (sampling, evaluation), so a process may run more decode
-        steps than another without a collective per step; they are sharded again on leaving. Else nothing."""
+        """--fsdp: every process holds the whole weights of the trained model (sharded first) inside: sampling and
+        evaluation run without a collective per decode step, so a process may run more steps than another; sharded
+        again on leaving. The reference stays sharded. Without --fsdp, nothing."""
         from torch.distributed.fsdp import FSDPModule
 
-        units = [u for root in self.sharded for u in root.modules() if isinstance(u, FSDPModule)]
+        units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
         for unit in units:
             unit.unshard()
             unit.set_reshard_after_forward(False, recurse=False)

@@ -146,7 +146,7 @@ def test_torchrun_two_processes_resume_exactly(tiny, tmp_path, script):
             assert resumed[k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
 
 
-FSDP_SCRIPTS = ["grpo", "sft", "dpo", "reward_model"]
+FSDP_SCRIPTS = SCRIPTS
 
 
 @pytest.mark.parametrize("script", FSDP_SCRIPTS)
