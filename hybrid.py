@@ -1518,7 +1518,8 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model) -> Optional[dict]:
-        """--fsdp: the model's whole state dict, gathered on every process (a collective); None without FSDP."""
+        """--fsdp: the model's whole state dict on rank 0's CPU, gathered a tensor at a time (every process takes part);
+        None elsewhere and without FSDP."""
         from torch.distributed.tensor import DTensor
 
         if not self.fsdp:
@@ -1526,8 +1527,9 @@ class Run:
         gathered = {}  # by tensor: tied weights (embeddings and lm_head) stay one tensor, as save_pretrained expects
         for v in model.state_dict(keep_vars=True).values():
             if id(v) not in gathered:
-                gathered[id(v)] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        return {k: gathered[id(v)] for k, v in model.state_dict(keep_vars=True).items()}
+                whole = v.full_tensor() if isinstance(v, DTensor) else v
+                gathered[id(v)] = whole.detach().cpu() if self.rank == 0 else None
+        return {k: gathered[id(v)] for k, v in model.state_dict(keep_vars=True).items()} if self.rank == 0 else None
 
     def load_sharded(self, path) -> None:
         """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
