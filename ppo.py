@@ -124,6 +124,9 @@ class Args:
     generation_backend: Literal["shared", "generate", "static", "paged"] = "shared"
     """how completions are sampled: shared (generate, each group's prompt prefilled once; fastest on CPU), generate,
     static (static KV cache, compiled on CUDA), paged (continuous batching); see docs/ppo.md"""
+    importance_sampling_cap: Optional[float] = None
+    """truncated importance sampling (TIS) of the sampler's mismatch: each token's loss times min(pi_old / pi_sampler,
+    cap), for backends whose numerics differ from the trainer's (bf16, compiled); None: off"""
     reward: str = DEFAULT_SPEC
     """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
     missing_eos_penalty: float = 0.0
@@ -522,6 +525,13 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: 
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
 
+def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling (TIS): min(pi_old / pi_sampler, cap) per token, 1 on padding -> (weights,
+    capped). The sampler drew the tokens; the loss is an expectation under pi_old (the trainer's numerics)."""
+    ratio = torch.exp((old_logp - sampler_logp) * mask)
+    return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
+
+
 def reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
     """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the policy with its adapters off.
     inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
@@ -557,7 +567,11 @@ def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, ar
             old_logp[r, :end], _, old_values[r, :end] = actor_critic(*inputs, args.temperature)
             if args.beta > 0:
                 ref_logp[r, :end] = reference_logprobs(ref_model, actor_critic.policy, inputs, args.temperature)
-    return {**batch, "old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values}
+    out = {**batch, "old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values}
+    if args.importance_sampling_cap is not None:  # TIS, as grpo.py: each token's policy loss times w
+        out["tis"], out["tis_capped"] = truncated_is_weights(old_logp, batch["sampler_logp"], mask,
+                                                             args.importance_sampling_cap)
+    return out
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
@@ -598,6 +612,8 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, policy_pa
                     logp, entropy, values = actor_critic(*inputs, args.temperature)
                     per_token, _, clipped = clipped_policy_loss(logp, old_logp, batch["advantages"][r, :end],
                                                                 clip_low=args.clip_low, clip_high=args.clip_high)
+                    if "tis" in batch:
+                        per_token = per_token * batch["tis"][r, :end]
                     vf_loss, vf_clipped = value_loss(values, batch["old_values"][r, :end], batch["returns"][r, :end], m,
                                                      args.cliprange_value)
                     pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
@@ -628,10 +644,11 @@ def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, 
     lengths = mask.sum(dim=1)
     local = torch.tensor([*(stats[k] for k in PPO_STATS), stats["tokens"], float(lengths.sum()),
                           float(batch["truncated"].sum()), len(lengths),
-                          explained_variance(batch["old_values"], batch["returns"], mask)], device=mask.device)
+                          explained_variance(batch["old_values"], batch["returns"], mask),
+                          float(batch["tis_capped"].sum()) if "tis" in batch else 0.0], device=mask.device)
     if run.ddp:
         dist.all_reduce(local)
-    *token_sums, n_tok, len_sum, n_trunc, n_seq, ev_sum = local.tolist()
+    *token_sums, n_tok, len_sum, n_trunc, n_seq, ev_sum, n_capped = local.tolist()
     means = {f"train/{k}": v / max(n_tok, 1) for k, v in zip(PPO_STATS, token_sums)}
     return {"train/loss": means["train/policy_loss"] + args.vf_coef * means["train/value_loss"]
             - args.entropy_coef * means["train/entropy"],
@@ -642,7 +659,8 @@ def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, 
             "train/non_score_reward": -kl_coef * batch_kl, **means, "train/explained_variance": ev_sum / run.world,
             "train/value_mean": float(masked_mean(batch["old_values"], mask)), "train/grad_norm": stats["grad_norm"],
             "train/value_grad_norm": stats["value_grad_norm"], "train/ppo_epochs": stats["ppo_epochs"],
-            "train/completion_length": len_sum / n_seq, "train/truncated_frac": n_trunc / n_seq}
+            "train/completion_length": len_sum / n_seq, "train/truncated_frac": n_trunc / n_seq,
+            "train/tis_capped_frac": n_capped / max(len_sum, 1)}
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
@@ -689,6 +707,9 @@ def check_args(args: Args) -> int:
                          f"e.g. --beta 0.05")
     if not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         raise ValueError(f"need 0 <= --clip-low, --gamma, --lam <= 1, got {args.clip_low}, {args.gamma}, {args.lam}")
+    if args.importance_sampling_cap is not None and args.importance_sampling_cap < 1:
+        raise ValueError(f"--importance-sampling-cap {args.importance_sampling_cap} must be >= 1, e.g. 2: it caps "
+                         f"pi_old / pi_sampler, and below 1 it would shrink every on-policy token; or leave it off")
     if args.target_kl is not None and args.target_kl <= 0:
         raise ValueError(f"--target-kl must be positive (or None: no early stop), got {args.target_kl}")
     if args.lora_r:

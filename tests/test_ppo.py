@@ -247,8 +247,24 @@ def test_resume_restores_the_value_model_and_the_kl_coefficient(tiny, tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
+def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_path, monkeypatch):
+    """--importance-sampling-cap (as grpo.py; hybrid.py has the same code): on policy nothing is capped and the policy
+    gradient is unchanged; weights forced to 2 double it (one update on one batch, the same seed)."""
+    one = dict(total_steps=1, num_ppo_epochs=1, num_mini_batches=1)
+    plain = ppo.main(tiny_args(tiny, tmp_path / "plain", **one))
+    on_policy = ppo.main(tiny_args(tiny, tmp_path / "tis", importance_sampling_cap=2.0, **one))
+    assert on_policy["train/tis_capped_frac"] == 0 and plain["train/grad_norm"] > 0
+    assert on_policy["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-4)
+    monkeypatch.setattr(ppo, "truncated_is_weights", lambda old, sampler, mask, cap: (
+        torch.full_like(old, 2.0), mask > 0))
+    doubled = ppo.main(tiny_args(tiny, tmp_path / "doubled", importance_sampling_cap=2.0, **one))
+    assert doubled["train/grad_norm"] == pytest.approx(2 * plain["train/grad_norm"], rel=1e-5)
+    assert doubled["train/tis_capped_frac"] == 1
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"beta": -0.1}, "--beta must be >= 0"),
+    ({"importance_sampling_cap": 0.9}, "must be >= 1, e.g. 2"),
     ({"kl_controller": "adaptive"}, "--kl-controller adaptive steers beta towards a KL target and needs a positive "
                                     "--kl-target"),
     ({"kl_controller": "step", "kl_target": -1.0}, "needs a positive --kl-target"),
