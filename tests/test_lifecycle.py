@@ -171,6 +171,15 @@ def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny,
         assert resumed[k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
 
 
+def test_fsdp_benchmark_commands_run_on_cpu():
+    """benchmarks/fsdp_gpu.py's commands, at the tiny shape on gloo (its numbers are for GPUs)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fsdp_gpu
+
+    out = fsdp_gpu.main(fsdp_gpu.Args(scripts=("sft",), shape="tiny", nproc=2, steps=2))
+    assert out["sft"]["ddp"]["step_s"] > 0 and out["sft"]["fsdp"]["step_s"] > 0
+
+
 def test_the_end_of_a_run_says_what_it_reached_and_where_final_is(tiny, tmp_path, capsys):
     out = module("grpo").main(tiny_args("grpo", tiny, tmp_path))
     printed = capsys.readouterr().out
