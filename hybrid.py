@@ -1031,7 +1031,7 @@ def main(args: Args) -> dict:
     optimizer = make_optimizer(args.optimizer, [{"params": policy_params, "lr": args.learning_rate}, {
         "params": value_params, "lr": args.value_head_lr or args.learning_rate}], args)
     scheduler = make_scheduler(args.lr_scheduler, optimizer, args)
-    run.trained = (actor_critic, optimizer)  # what --fsdp checkpoints in shards
+    run.trained = (actor_critic, optimizer) if run.fsdp else None  # what --fsdp checkpoints in shards (not DDP: below)
     kl_ctl = KLController(args.kl_controller, args.beta, args.kl_target, args.kl_horizon)
     kinds = step_kinds(args.total_steps, args.sft_fraction_start, args.sft_fraction_end, args.curriculum, args.seed)
     order, sft_order = DataOrder(len(prompt_ids), args.seed * 1000 + rank), DataOrder(len(examples), args.seed)
