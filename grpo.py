@@ -24,7 +24,7 @@ Deviations (why, and the measurements: docs/grpo.md):
   x 8 completions a step, two updates on each (mu = 2), 250 steps at lr 1e-4 with warmup and cosine decay,
   temperature 0.7, beta 0.
 - With beta = 0, completions whose advantage is 0 skip the forward and backward pass (their loss and gradient
-  are exactly 0; the normalisers still count them), except under bnpo.
+  are exactly 0; the normalisers still count them), except under --fsdp (every process runs as many passes).
 - Completions are sorted by length into micro-batches, each padded to its own longest.
 - One step = one batch of completions and `--num-iterations` updates on it; the lr schedule advances once.
 - Log-probs are of softmax(logits / T), the distribution sampled from; top-k / top-p are not part of them.
@@ -897,9 +897,10 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
         seen, extra = SampledLogprobs(gen_config.temperature), {}
         if backend == "static":
             gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
-        rows, counts = torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
-        if backend == "shared" and len(rows) < len(ids) and ids.shape[1] > 1:
-            unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)  # all but the last prompt token, once a group
+        rows, counts = (torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
+                        if backend == "shared" else (ids, None))
+        if len(rows) < len(ids) and ids.shape[1] > 1:  # shared: all but the last prompt token, once a group
+            unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)
             cache = DynamicCache(config=model.config)
             model(input_ids=unique_ids[:, :-1], attention_mask=unique_mask[:, :-1], past_key_values=cache,
                   position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
@@ -1078,6 +1079,9 @@ def check_fsdp(args) -> None:
     if getattr(args, "lora_r", 0):
         raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
                          "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+    if args.resume and not (Path(args.resume) / "sharded").is_dir():
+        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights and "
+                         f"optimizer states, per process): pass a complete checkpoint of the run")
     config = (AutoConfig.for_model(**json.loads(Path(args.model_config).read_text())) if getattr(args, "model_config",
               None) else AutoConfig.from_pretrained(args.model_name_or_path))
     with torch.device("meta"):
@@ -1135,15 +1139,18 @@ def resume_args(args, may_change: tuple[str, ...]):
     return out, changed
 
 
-def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None) -> None:
+def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
+                    sharded: Optional[Path] = None) -> None:
     """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. weights: the state
-    dict to write (--fsdp gathers it), else the model's own."""
+    dict to write (--fsdp gathers it), else the model's own; sharded: a folder moved in as sharded/ (--fsdp)."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
     if (tmp / "generation_config.json").exists() and "policy" in CHECKPOINT_GENERATION_CONFIG:
         CHECKPOINT_GENERATION_CONFIG["policy"].save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if sharded is not None:
+        os.replace(sharded, tmp / "sharded")
     if state is not None:
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / "args.json").write_text(json.dumps(state["args"], indent=2))
@@ -1228,12 +1235,12 @@ class Run:
 
         if not self.fsdp:
             return None
-        gathered = {}  # by tensor: tied weights (embeddings and lm_head) stay one tensor, as save_pretrained expects
-        for v in model.state_dict(keep_vars=True).values():
+        state, gathered = model.state_dict(keep_vars=True), {}  # by tensor: tied weights stay one, as HF expects
+        for v in state.values():
             if id(v) not in gathered:
                 whole = v.full_tensor() if isinstance(v, DTensor) else v
                 gathered[id(v)] = whole.detach().cpu() if self.rank == 0 else None
-        return {k: gathered[id(v)] for k, v in model.state_dict(keep_vars=True).items()} if self.rank == 0 else None
+        return {k: gathered[id(v)] for k, v in state.items()} if self.rank == 0 else None
 
     def load_sharded(self, path) -> None:
         """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
@@ -1241,9 +1248,6 @@ class Run:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        if not (Path(path) / "sharded").is_dir():
-            raise ValueError(f"--fsdp --resume {path}: the checkpoint has no sharded/ folder (it was written without "
-                             f"--fsdp, or its sharded state was not finished): resume it without --fsdp")
         model_state, optim_state = get_state_dict(*self.trained)
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(Path(path) / "sharded"))
@@ -1263,20 +1267,18 @@ class Run:
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
-        if self.rank == 0:
-            save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
-                self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights)
-        self.barrier()
-        if self.fsdp:  # the sharded weights and optimizer states (DCP), renamed into place once every shard is written
+        sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
+        if self.fsdp:  # every process writes its shards (DCP: weights, optimizer states); rank 0 moves them in below
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             model_state, optim_state = get_state_dict(*self.trained)
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path / ".tmp-sharded"))
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(sharded))
             self.barrier()
-            if self.rank == 0:
-                os.replace(path / ".tmp-sharded", path / "sharded")
-            self.barrier()
+        if self.rank == 0:
+            save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
+                self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
+        self.barrier()
         return path
 
     def barrier(self) -> None:
@@ -1394,8 +1396,9 @@ class Run:
         if not self.stop:
             final.update(self.evaluate(measure))
             save()
-            model = model if isinstance(model, torch.nn.Module) else model()
-            weights = self.full_weights(model)
+            if self.rank == 0 or self.fsdp:  # (--fsdp: every process takes part in gathering the weights)
+                model = model if isinstance(model, torch.nn.Module) else model()
+                weights = self.full_weights(model)
             if self.rank == 0:
                 save_pretrained(self.dir / "final", model, tokenizer, weights=weights)
                 print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(

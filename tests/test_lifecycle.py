@@ -150,7 +150,7 @@ FSDP_SCRIPTS = SCRIPTS
 
 
 @pytest.mark.parametrize("script", FSDP_SCRIPTS)
-def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny, tmp_path, script):
+def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny, tmp_path, script, monkeypatch):
     """--fsdp on CPU (gloo, 2 processes): the same 3 steps as DDP to float tolerance (both average the gradients of
     the same rows); resumed from step 2's sharded checkpoint, step 3 again; final/ is one safetensors model, DDP's."""
     for parallel in ("ddp", "fsdp"):
@@ -169,6 +169,23 @@ def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny,
     (resumed,) = train_rows(fsdp)
     for k in (k for k in resumed if k.startswith(("train/", "rewards/"))):
         assert resumed[k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
+    # a checkpoint of an --fsdp run without its shards is refused in the checks, before any process group or model
+    incomplete = fsdp / "checkpoints" / "step_1"
+    shutil.copytree(fsdp / "checkpoints" / "step_2", incomplete, ignore=shutil.ignore_patterns("sharded"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="this --fsdp run's checkpoint has no sharded/ folder"):
+        module(script).main(module(script).Args(resume=str(incomplete)))
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo", "hybrid"])
+def test_generation_backend_reaches_the_sampler(tiny, tmp_path, script, monkeypatch):
+    """--generation-backend is what every rollout samples with (the backends themselves: tests/test_grpo.py)."""
+    m, used = module(script), []
+    sample = m.sample
+    monkeypatch.setattr(m, "sample", lambda model, ids, mask, config, backend: used.append(backend) or sample(
+        model, ids, mask, config, backend))
+    m.main(tiny_args(script, tiny, tmp_path, generation_backend="static", eval_split=None))
+    assert used and set(used) == {"static"}
 
 
 def test_fsdp_benchmark_commands_run_on_cpu():
