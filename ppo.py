@@ -129,6 +129,9 @@ class Args:
     cap), for backends whose numerics differ from the trainer's (bf16, compiled); None: off"""
     reward: str = DEFAULT_SPEC
     """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
+    gold_reward: Optional[str] = None
+    """a reward spec logged beside --reward as rewards/gold, never trained on: with a learned --reward, the true
+    reward it stands in for (e.g. correctness), to watch over-optimisation (arXiv:2210.10760)"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a completion that reaches --max-completion-length without EOS"""
     beta: float = 0.05
@@ -727,6 +730,7 @@ def main(args: Args) -> dict:
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     reward = make_reward(args.reward)
+    gold = make_reward(args.gold_reward) if args.gold_reward else None
     run = Run(args, overrides, shown=("train/reward", "eval/accuracy", "train/kl"))
     device, rank, world, G = run.device, run.rank, run.world, args.num_generations
 
@@ -734,9 +738,10 @@ def main(args: Args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
+    needed = reward.required_columns | (gold.required_columns if gold else set())
+    columns = {c: args.answer_column if c == "answer" else c for c in sorted(needed)}
     train = load_split(args, "dataset_split", [args.prompt_column, *columns.values()],
-                       f"--prompt-column/--answer-column, or a --reward that does not need them; reward {args.reward!r}")
+                       "--prompt-column/--answer-column, or a --reward/--gold-reward that does not need them")
     raw_prompts = list(train[args.prompt_column])
     texts = prompt_texts(tokenizer, raw_prompts, args.use_chat_template, args.prompt_column)
     prompt_ids = [ids[-args.max_prompt_length:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -853,8 +858,13 @@ def main(args: Args) -> dict:
             t_step = time.perf_counter()
             # 4a. Roll out: a completion (or G) for each prompt from pi_old, scored (Sec. 2 of arXiv:1909.08593).
             with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
-                batch = rollout(raw_model, tokenizer, data, [i for i in order.draw(groups) for _ in range(G)],
-                                gen_config, args.generation_backend, eos_tensor, reward, autocast, timing)
+                rows = [i for i in order.draw(groups) for _ in range(G)]
+                batch = rollout(raw_model, tokenizer, data, rows, gen_config, args.generation_backend, eos_tensor,
+                                reward, autocast, timing)
+            if gold is not None:  # logged as rewards/gold beside the reward, never in the loss
+                of_rows = {k: [v[i] for i in rows] for k, v in data["columns"].items()}
+                batch["rewards"]["gold"] = torch.tensor(gold(batch["completions"], prompts=[data["prompts"][i]
+                                                                                           for i in rows], **of_rows))
             t_train = time.perf_counter()
             # 4b. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients.
             batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast)
@@ -1412,7 +1422,7 @@ class Run:
             for name, (old, new) in self.overrides.items():
                 print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
         elif self.rank == 0:
-            self.dir.mkdir(parents=True)
+            self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if args.track and self.rank == 0:

@@ -30,6 +30,7 @@ Deviations (why, and the measurements: docs/reward_model.md):
 
 import contextlib
 import copy
+import itertools
 import json
 import math
 import os
@@ -39,7 +40,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -49,8 +50,10 @@ import torch.distributed as dist
 import tyro
 from datasets import load_dataset
 from tqdm import tqdm
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
+
+from rewards import make_reward
 
 
 @dataclass
@@ -86,6 +89,24 @@ class Args:
     """column holding the other response"""
     margin_column: Optional[str] = None
     """column of the training split holding a margin m >= 0 per pair (Llama 2's -log sigmoid(r_c - r_r - m))"""
+    ranking_column: Optional[str] = None
+    """pairs with one value in this column come from one ranking of K responses (K in column `k`): they are one batch
+    element, each pair weighted 1/C(K,2) (Eq. 1), each text scored once; --batch-size then counts rankings"""
+    comparisons: int = 0
+    """K >= 2: make the pairs instead of reading them (Sec. 3.5): K completions of each of the first
+    --comparison-prompts prompts of --dataset-split, sampled from --policy and ranked by --labeler; every pair of
+    different rank goes to <run>/comparisons.jsonl, a ranking per prompt (--ranking-column ranking)"""
+    comparison_prompts: int = 2000
+    """prompts of --dataset-split to sample --comparisons for"""
+    policy: Optional[str] = None
+    """the model --comparisons samples (None: --model-name-or-path, the SFT model the reward model starts from)"""
+    labeler: str = "correctness"
+    """rewards.make_reward spec that ranks each prompt's K completions, standing in for the human labelers; equal
+    scores are a tie, which gives no pair"""
+    temperature: float = 0.7
+    """--comparisons sample softmax(logits / T) (ppo.py's default T)"""
+    max_completion_length: int = 40
+    """longest completion --comparisons samples, in tokens"""
     max_length: int = 128
     """longest prompt + response in tokens; longer pairs are dropped"""
     eval_limit: int = 500
@@ -198,6 +219,45 @@ def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: in
     return pairs, dropped
 
 
+def ranking_pairs(scores: list[float]) -> list[tuple[int, int]]:
+    """A labeler's scores of K responses to one prompt -> every pair (better, worse) of different scores, in index
+    order: the C(K,2) comparisons of a ranking less its ties, which state no preference."""
+    return [(i, j) if scores[i] > scores[j] else (j, i)
+            for i, j in itertools.combinations(range(len(scores)), 2) if scores[i] != scores[j]]
+
+
+def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_length: int, what: str):
+    """Pairs that come from rankings (a ranking's id and its size K on every pair) -> ([(texts, [(better, worse)],
+    1 / C(K,2))] one per ranking: its distinct texts prompt + response tokenised once, its pairs as indices into them,
+    the weight of each of its pairs in Eq. 1), pairs dropped as too long)."""
+    grouped = {}
+    for i, (p, c, r, key, k) in enumerate(zip(prompts, chosen, rejected, keys, sizes)):
+        if c == r:
+            raise ValueError(f"{what}, row {i}: chosen and rejected are the same text, which states no preference: "
+                             f"remove the row")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+            raise ValueError(f"{what}, row {i}: ranking size k={k!r}: it must be the number of responses ranked (>= 2)")
+        texts, pairs, size = grouped.setdefault(key, ({}, [], k))
+        if k != size or len(pairs) == math.comb(k, 2):
+            raise ValueError(f"{what}, row {i}: ranking {key!r} " + (f"says k={k} and k={size}" if k != size else
+                             f"has more than C({k},2) = {math.comb(k, 2)} pairs") + ": fix its column `k`")
+        pairs.append(tuple(texts.setdefault(p + y, len(texts)) for y in (c, r)))
+    rankings, dropped, limit = [], 0, max_length
+    for texts, pairs, k in grouped.values():
+        ids = tokenizer(list(texts))["input_ids"]
+        if any(t and t[-1] == tokenizer.pad_token_id for t in ids):
+            raise ValueError(f"{what}: a response ends in the pad token {tokenizer.pad_token!r}, where the classifier "
+                             f"would not read its score: strip it from the data")
+        kept = [(a, b) for a, b in pairs if len(ids[a]) <= limit and len(ids[b]) <= limit]
+        dropped += len(pairs) - len(kept)
+        used = {t: n for n, t in enumerate(sorted({t for pair in kept for t in pair}))}  # texts left in a pair
+        if kept:
+            rankings.append(([ids[t] for t in used], [(used[a], used[b]) for a, b in kept], 1 / math.comb(k, 2)))
+    if not rankings:
+        raise ValueError(f"{what}: every pair is longer than --max-length {max_length} tokens: raise --max-length")
+    return rankings, dropped
+
+
 def right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids [B, T] right-padded with pad_id, attention mask [B, T])."""
     pad = torch.nn.utils.rnn.pad_sequence
@@ -239,15 +299,17 @@ def pack_pairs(pairs, pad_id: int):
 
 class PairScorer(torch.nn.Module):
     """r(x, y_c), r(x, y_r) of a batch of pairs -> [B, 2] float32, from `pack_pairs` rows (the backbone with their
-    mask, the score head read at the two ends) or `collate_pairs` rows (the classifier): one module for DDP."""
+    mask, the score head read at the two ends) or `collate_pairs` rows (the classifier); or, flat, the classifier's
+    score of each row -> [N] (rankings): one module for DDP."""
 
     def __init__(self, model, packed: bool):
         super().__init__()
         self.model, self.packed = model, packed
 
-    def forward(self, ids, attention, position_ids=None, ends=None):
-        if not self.packed:  # [2B, T]: the B chosen then the B rejected texts
-            return sequence_scores(self.model, ids, attention).view(2, -1).T
+    def forward(self, ids, attention, position_ids=None, ends=None, flat: bool = False):
+        if not self.packed:  # [2B, T]: the B chosen then the B rejected texts (flat: any texts -> [N])
+            scores = sequence_scores(self.model, ids, attention)
+            return scores if flat else scores.view(2, -1).T
         classifier = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
         if classifier.config._attn_implementation != "sdpa":  # eager attention adds its mask to the logits
             dtype = next(classifier.parameters()).dtype
@@ -344,35 +406,92 @@ class PairOrder:
 
 
 def load_pairs(args, tokenizer, flag: str, with_margin: bool, limit: Optional[int] = None):
-    """A split's first `limit` pairs, tokenised -> ([(chosen_ids, rejected_ids, margin)], pairs dropped as too long)."""
+    """A split's first `limit` pairs, tokenised -> ([(chosen_ids, rejected_ids, margin)], pairs dropped as too long);
+    of the training split with --ranking-column, its rankings (`tokenize_rankings`)."""
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     columns += [args.margin_column] if with_margin and args.margin_column else []
-    ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column/--margin-column")
-    values = [list(ds[c])[:limit] for c in columns]
-    return tokenize_pairs(tokenizer, *values[:3], values[3] if len(values) > 3 else None, args.max_length,
-                          f"split '{getattr(args, flag)}'")
+    columns += [args.ranking_column, "k"] if with_margin and args.ranking_column else []
+    ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column/--margin-column/"
+                                         "--ranking-column (and `k`)")
+    values, what = [list(ds[c])[:limit] for c in columns], f"split '{getattr(args, flag)}'"
+    if with_margin and args.ranking_column:
+        return tokenize_rankings(tokenizer, *values, args.max_length, what)
+    return tokenize_pairs(tokenizer, *values[:3], values[3] if len(values) > 3 else None, args.max_length, what)
 
 
-def preference_update(scorer, optimizer, pairs: list, micro: int, args, pad_id: int, world: int, device,
-                      autocast) -> tuple[dict, torch.Tensor]:
-    """One optimiser step on this process's pairs, `micro` at a time: the loss of Eq. 1 is the mean over the global
-    batch, so each micro-batch adds its sum / --batch-size (DDP averages, hence x world)."""
+@torch.no_grad()
+def policy_comparisons(args, tokenizer, flag: str, limit: int, device, progress: bool) -> list[dict]:
+    """InstructGPT's comparison data (Sec. 3.5) with a rule for the labelers: --comparisons K completions of each of
+    the first `limit` prompts of the split, sampled from --policy, scored by --labeler, every pair of different
+    scores with the better one as chosen (`ranking_pairs`) -> pairs rows with the columns of the split the labeler
+    needs, the prompt's index `ranking` and `k` = K."""
+    labeler = make_reward(args.labeler)
+    ds = load_split(args, flag, [args.prompt_column, *sorted(labeler.required_columns)],
+                    "--prompt-column, or a --labeler that does not need them")
+    prompts = list(ds[args.prompt_column])[:limit]
+    columns = {c: list(ds[c])[:limit] for c in sorted(labeler.required_columns)}
+    policy = AutoModelForCausalLM.from_pretrained(args.policy or args.model_name_or_path).to(device)
+    gen = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+                           max_new_tokens=args.max_completion_length, eos_token_id=own_generation_config(policy, tokenizer),
+                           pad_token_id=tokenizer.pad_token_id)
+    rows, K = [], args.comparisons
+    for i in tqdm(range(0, len(prompts), 64), desc=f"comparisons ({flag})", leave=False, disable=not progress):
+        enc = tokenizer(prompts[i : i + 64], return_tensors="pt", padding=True, padding_side="left",
+                        add_special_tokens=False).to(device)
+        completion_ids, _ = sample(policy, enc.input_ids.repeat_interleave(K, 0),
+                                   enc.attention_mask.repeat_interleave(K, 0), gen)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        for j in range(len(enc.input_ids)):
+            n, ys = i + j, texts[j * K : (j + 1) * K]
+            values = {c: v[n] for c, v in columns.items()}
+            scores = labeler(ys, prompts=[prompts[n]] * K, **{c: [v] * K for c, v in values.items()})
+            rows += [{"prompt": prompts[n], "chosen": ys[a], "rejected": ys[b], **values, "ranking": n, "k": K}
+                     for a, b in ranking_pairs(scores)]
+    return rows
+
+
+def collate_rankings(rankings, pad_id: int):
+    """Rankings -> (ids [N, T] right-padded: every ranking's texts, attention mask [N, T], better [P], worse [P]: each
+    pair's rows, weights [P]: 1 / C(K,2) of its ranking)."""
+    rows, better, worse, weights = [], [], [], []
+    for texts, pairs, weight in rankings:
+        better += [len(rows) + a for a, _ in pairs]
+        worse += [len(rows) + b for _, b in pairs]
+        weights += [weight] * len(pairs)
+        rows += texts
+    return (*right_pad(rows, pad_id), torch.tensor(better), torch.tensor(worse), torch.tensor(weights))
+
+
+def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: int, world: int, device,
+                      autocast, rankings: bool = False) -> tuple[dict, torch.Tensor]:
+    """One optimiser step on this process's pairs (or rankings), `micro` at a time: the loss of Eq. 1 is the mean over
+    the global batch, so each micro-batch adds its sum / --batch-size (DDP averages, hence x world). A ranking's texts
+    are scored once and each of its pairs weighs 1 / C(K,2) (Eq. 1: the C(K,2) comparisons are one batch element)."""
     ddp = isinstance(scorer, torch.nn.parallel.DistributedDataParallel)
     packed = (scorer.module if ddp else scorer).packed
-    sums = dict.fromkeys(("loss", "correct", "margin", "reward"), 0.0)
-    for k in range(0, len(pairs), micro):
-        *tensors, margins = (pack_pairs if packed else collate_pairs)(pairs[k : k + micro], pad_id)
-        with (scorer.no_sync() if ddp and k + micro < len(pairs) else torch.enable_grad()), autocast:
-            scores = scorer(*(t.to(device) for t in tensors))
-            chosen, rejected = scores[:, 0], scores[:, 1]
+    sums = dict.fromkeys(("loss", "correct", "margin", "reward", "pairs", "texts"), 0.0)
+    for k in range(0, len(items), micro):
+        chunk, weights, margins = items[k : k + micro], None, None
+        with (scorer.no_sync() if ddp and k + micro < len(items) else torch.enable_grad()), autocast:
+            if rankings:
+                ids, mask, better, worse, weights = (t.to(device) for t in collate_rankings(chunk, pad_id))
+                scores = scorer(ids, mask, flat=True)
+                chosen, rejected = scores[better], scores[worse]
+            else:
+                *tensors, margins = (pack_pairs if packed else collate_pairs)(chunk, pad_id)
+                scores = scorer(*(t.to(device) for t in tensors))
+                chosen, rejected = scores[:, 0], scores[:, 1]
             loss = preference_loss(chosen, rejected, margins.to(device) if args.margin_column else None,
-                                   args.center_rewards_coef).sum() / args.batch_size
+                                   args.center_rewards_coef)
+            loss = (loss if weights is None else loss * weights).sum() / args.batch_size
             (loss * world).backward()
         chosen, rejected, scores = chosen.detach(), rejected.detach(), scores.detach()
         sums["loss"] += loss.item()
         sums["correct"] += float((chosen > rejected).sum())
         sums["margin"] += float((chosen - rejected).sum())
-        sums["reward"] += float(scores.sum()) / 2
+        sums["reward"] += float(scores.sum())
+        sums["pairs"] += len(chosen)
+        sums["texts"] += scores.numel()
     grad_norm = torch.nn.utils.clip_grad_norm_(scorer.parameters(), args.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -402,9 +521,10 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "ev
 
 def check_args(args: Args) -> int:
     """Every check that needs no model loading (local data is read here); -> the micro-batch (pairs) of a process."""
-    check_common(args, ("total_steps", "batch_size", "max_length", "log_every", "learning_rate"),
+    check_common(args, ("total_steps", "batch_size", "max_length", "log_every", "learning_rate", "comparison_prompts",
+                  "temperature", "max_completion_length"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "micro_batch_size",
-                  "center_rewards_coef"), (args.model_name_or_path,))
+                  "center_rewards_coef"), (args.model_name_or_path, *[args.policy] * bool(args.policy)))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: "
@@ -417,8 +537,20 @@ def check_args(args: Args) -> int:
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
-    check_data(args, {"dataset_split": pair_problem(columns + [args.margin_column] * bool(args.margin_column),
-                                                    args.margin_column), "eval_split": pair_problem(columns, None)})
+    train_columns = columns + [c for c in (args.margin_column, args.ranking_column) if c] + ["k"] * bool(args.ranking_column)
+    train_check = pair_problem(train_columns, args.margin_column)
+    if args.comparisons:
+        if args.comparisons < 2 or args.margin_column or args.ranking_column:
+            raise ValueError(f"--comparisons {args.comparisons}: " + ("it ranks K >= 2 samples of each prompt (0: read pairs)"
+                             if args.comparisons < 2 else "its pairs have no margin and are ranked by prompt: drop "
+                             "--margin-column and --ranking-column"))
+        needed = [args.prompt_column, *sorted(make_reward(args.labeler).required_columns)]  # a bad spec fails here
+        train_check = lambda row: (f"has no column {[c for c in needed if c not in row]} that --comparisons needs (the "
+                                   f"prompt, and what --labeler reads); its columns: {sorted(row)}"
+                                   if any(c not in row for c in needed) else None)
+    elif args.ranking_column and args.margin_column:
+        raise ValueError("--ranking-column with --margin-column: a ranking's pairs carry no margin; drop one of them")
+    check_data(args, {"dataset_split": train_check, "eval_split": pair_problem(columns, None)})
     return micro
 
 
@@ -435,7 +567,27 @@ def main(args: Args) -> dict:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     pad_id = tokenizer.pad_token_id
-    pairs, dropped = load_pairs(args, tokenizer, "dataset_split", with_margin=True)
+    data_args, held_out = args, []
+    if args.comparisons:  # the pairs are the policy's own samples, ranked (Sec. 3.5): made once, read back on --resume
+        for flag, name, limit in (("dataset_split", "comparisons", args.comparison_prompts),
+                                  ("eval_split", "comparisons_test", args.eval_limit)):
+            path = run.dir / f"{name}.jsonl"
+            if rank == 0 and getattr(args, flag) and not path.exists():
+                rows = policy_comparisons(args, tokenizer, flag, limit, device, run.progress)
+                run.dir.mkdir(parents=True, exist_ok=True)
+                path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
+                path.with_suffix(".tmp").rename(path)
+                run.say(f"{path}: {len(rows)} pairs from {len({r['ranking'] for r in rows})} of {limit} prompts x "
+                        f"{args.comparisons} samples of {args.policy or args.model_name_or_path} (the others tied)")
+        run.barrier()
+        data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None,
+                                        prompt_column="prompt", chosen_column="chosen", rejected_column="rejected",
+                                        ranking_column="ranking")
+        if args.eval_split:
+            held_out = load_pairs(replace(data_args, eval_split="comparisons_test"), tokenizer,
+                                  "eval_split", False)[0]
+    rankings = bool(data_args.ranking_column)
+    pairs, dropped = load_pairs(data_args, tokenizer, "dataset_split", with_margin=True)
     eval_pairs, eval_dropped = load_pairs(args, tokenizer, "eval_split", False, args.eval_limit) if args.eval_split \
         else ([], 0)
     if dropped + eval_dropped:
@@ -461,10 +613,10 @@ def main(args: Args) -> dict:
 
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                  target_modules="all-linear", task_type="SEQ_CLS"))
-    why_not_packed = check_packing(model, pairs, pad_id, device) if args.pack_pairs else None
+    why_not_packed = check_packing(model, pairs, pad_id, device) if args.pack_pairs and not rankings else None
     if why_not_packed:
         run.say(f"--pack-pairs: scoring chosen and rejected texts in rows of their own, as {why_not_packed}")
-    packed = args.pack_pairs and not why_not_packed
+    packed = args.pack_pairs and not rankings and not why_not_packed  # a ranking's texts are scored one a row
     scorer = PairScorer(model, packed)
     if run.fsdp:  # each decoder layer sharded over the processes (FSDP2)
         scorer = run.shard(scorer, decoder_layers(model))
@@ -502,7 +654,11 @@ def main(args: Args) -> dict:
                                               args.lr_schedule, lr_anchor))
 
     def measure() -> tuple[dict, list]:
-        return (pair_metrics(model, eval_pairs, pad_id, device, autocast, run.progress) if eval_pairs else {}), []
+        metrics = pair_metrics(model, eval_pairs, pad_id, device, autocast, run.progress) if eval_pairs else {}
+        if held_out:  # the policy's samples on the held-out prompts, ranked by the labeler
+            metrics.update({k.replace("pref", "comparison"): v for k, v in
+                            pair_metrics(model, held_out, pad_id, device, autocast, run.progress).items()})
+        return metrics, []
 
     def save() -> Path:
         return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler":
@@ -512,8 +668,9 @@ def main(args: Args) -> dict:
     # 4. Train.
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     head = f"; new score head {', '.join(new_head)} ~ N(0, 1/(H+1))" if new_head else ""
-    run.say(f"run directory: {run.dir}  |  {len(pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
-            f"{n_train / 1e6:.2f}M trainable parameters on {device}, micro-batch {micro} pairs"
+    run.say(f"run directory: {run.dir}  |  {len(pairs)} training {'rankings' if rankings else 'pairs'}, "
+            f"{len(eval_pairs)} held-out pairs, {n_train / 1e6:.2f}M trainable parameters on {device}, micro-batch "
+            f"{micro} {'rankings' if rankings else 'pairs'}"
             f"{' packed in one row each' if packed else ''}{head}")
     share, final, tokens, seconds, last_log = args.batch_size // world, {}, 0, 0.0, run.start
     with run:
@@ -523,21 +680,22 @@ def main(args: Args) -> dict:
             mine = [pairs[i] for i in order.draw(args.batch_size)][rank * share : (rank + 1) * share]
             # 4b. Score chosen and rejected in one pass (one row per pair with --pack-pairs) and take a step on the
             #     Bradley-Terry loss (Eq. 1), its mean over the global batch.
-            sums, grad_norm = preference_update(scorer, optimizer, mine, micro, args, pad_id, world, device, autocast)
+            sums, grad_norm = preference_update(scorer, optimizer, mine, micro, args, pad_id, world, device, autocast,
+                                                rankings)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
             scheduler.step()
-            tokens += sum(len(c) + len(r) for c, r, _ in mine)  # the texts' tokens
+            tokens += sum(sum(map(len, x[0])) if rankings else len(x[0]) + len(x[1]) for x in mine)  # the texts' tokens
             seconds += time.perf_counter() - t_step
 
             # 4c. Log the loss, pair accuracy and margin of this step's batch, and the timings.
             if step % args.log_every == 0 or step == args.total_steps:
-                local = torch.tensor([sums[k] for k in ("loss", "correct", "margin", "reward")] + [tokens],
-                                     dtype=torch.float64, device=device)
+                local = torch.tensor([sums[k] for k in ("loss", "correct", "margin", "reward", "pairs", "texts")]
+                                     + [tokens], dtype=torch.float64, device=device)
                 if run.ddp:
                     dist.all_reduce(local)
-                loss_sum, correct, margin_sum, reward_sum, n_tokens = local.tolist()
-                final = {"step": step, "train/loss": loss_sum, "train/accuracy": correct / args.batch_size,
-                         "train/margin": margin_sum / args.batch_size, "train/reward": reward_sum / args.batch_size,
+                loss_sum, correct, margin_sum, reward_sum, n_pairs, n_texts, n_tokens = local.tolist()
+                final = {"step": step, "train/loss": loss_sum, "train/accuracy": correct / n_pairs,
+                         "train/margin": margin_sum / n_pairs, "train/reward": reward_sum / n_texts,
                          "train/grad_norm": float(grad_norm), "train/lr": lr,
                          "perf/step_s": seconds / (step - last_log), "perf/tokens_per_s": n_tokens / max(seconds, 1e-9)}
                 run.log(final)
@@ -549,19 +707,23 @@ def main(args: Args) -> dict:
     with run.whole():  # --fsdp: rank 0 scores with whole weights
         if rank == 0 and not run.stop:
             merged = copy.deepcopy(model).merge_and_unload() if args.lora_r else model
-            chosen = score_sequences(merged, [c for c, _, _ in pairs], pad_id, device, autocast, progress=run.progress)
+            texts = [t for texts, _, _ in pairs for t in texts] if rankings else [c for c, _, _ in pairs]
+            chosen = score_sequences(merged, texts, pad_id, device, autocast, progress=run.progress)
             stats = {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
             final.update({f"final/{k}": v for k, v in stats.items()})
             notes = (f"reward statistics for ppo.py: reward_mean {stats['reward_mean']:.4g}, reward_std "
-                     f"{stats['reward_std']:.4g} (saved in {run.dir / 'final'}/config.json; the reward "
-                     f'{{"type": "reward_model", "model": "{run.dir / "final"}", "normalize": true}} '
-                     f'whitens with them)',)
+                     f"{stats['reward_std']:.4g} (saved in {run.dir / 'final'}/config.json); "
+                     f"`ppo.py --reward {run.dir / 'final' / 'reward.json'}` scores with the model, whitened",)
 
     def final_model():  # the statistics go into final/config.json, not into the last checkpoint's
         merged.config.update(stats)
         return merged
 
-    return run.finish(final, measure, save, final_model, tokenizer, notes=notes)
+    out = run.finish(final, measure, save, final_model, tokenizer, notes=notes)
+    if rank == 0 and not out["interrupted"]:  # the spec of rewards.make_reward that scores with it
+        spec = {"type": "reward_model", "model": str((run.dir / "final").resolve()), "normalize": True}
+        (run.dir / "final" / "reward.json").write_text(json.dumps(spec, indent=2) + "\n")
+    return out
 
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
@@ -1083,7 +1245,7 @@ class Run:
             for name, (old, new) in self.overrides.items():
                 print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
         elif self.rank == 0:
-            self.dir.mkdir(parents=True)
+            self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if args.track and self.rank == 0:

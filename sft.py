@@ -904,7 +904,7 @@ class Run:
             for name, (old, new) in self.overrides.items():
                 print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
         elif self.rank == 0:
-            self.dir.mkdir(parents=True)
+            self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if args.track and self.rank == 0:

@@ -2,6 +2,7 @@
 whatever the padding side, packed pairs, runs, learning on the embedded task, the saved model loaded both ways
 (transformers and the `reward_model` reward of rewards.py, whitened), its own bad input (the shared run plumbing:
 tests/test_lifecycle.py)."""
+import contextlib
 import json
 import math
 import shutil
@@ -59,6 +60,46 @@ def test_tokenize_pairs_drops_long_pairs_and_refuses_identical_ones():
     assert pairs[0][0] == tok("1+1=<answer>2</answer>")["input_ids"] and pairs[0][2] == 0.0
     with pytest.raises(ValueError, match=r"split 'x', row 1: chosen and rejected are the same text"):
         rm.tokenize_pairs(tok, ["1+1=", "2+2="], ["a", "4"], ["b", "4"], None, 20, "split 'x'")
+
+
+def test_ranking_to_pairs_and_its_weights_hand_computed():
+    # a labeler's scores of K = 4 responses: 0 and 2 tie (correct), 1 and 3 tie (wrong): 2 x 2 pairs, ties dropped
+    assert rm.ranking_pairs([1.0, -0.5, 1.0, -0.5]) == [(0, 1), (0, 3), (2, 1), (2, 3)]
+    assert rm.ranking_pairs([0.0, 2.0, 1.0]) == [(1, 0), (2, 0), (1, 2)] and rm.ranking_pairs([1.0, 1.0]) == []
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny-arith")
+    # ranking "a" of K = 4 (the four pairs above, responses y0..y3), ranking "b" of K = 2; y3 of "a" is too long
+    ys = ["<answer>1", "<answer>2", "<answer>3", "<answer>9" * 9]
+    rows = [(ys[c], ys[r]) for c, r in rm.ranking_pairs([1.0, -0.5, 1.0, -0.5])] + [("4", "5")]
+    rankings, dropped = rm.tokenize_rankings(tok, ["1+0="] * 4 + ["2+2="], [c for c, _ in rows], [r for _, r in rows],
+                                             ["a"] * 4 + ["b"], [4] * 4 + [2], 12, "split 'x'")
+    assert dropped == 2 and len(rankings) == 2
+    (texts_a, pairs_a, w_a), (texts_b, pairs_b, w_b) = rankings
+    assert texts_a == [tok("1+0=" + y)["input_ids"] for y in ys[:3]]  # y0, y1, y2: each text once
+    assert pairs_a == [(0, 1), (2, 1)] and w_a == pytest.approx(1 / 6)  # 1 / C(4, 2)
+    assert texts_b == [tok("2+2=4")["input_ids"], tok("2+2=5")["input_ids"]] and pairs_b == [(0, 1)] and w_b == 1.0
+    # the step's loss: each ranking's pairs weighted 1 / C(K,2), summed, over the batch of 2 rankings (Eq. 1);
+    # a stand-in scorer reads each text's score off a table at its last token: y0 2.0, y1 0.0, y2 1.0; b: 0.5, 1.5
+    table = torch.nn.Parameter(torch.zeros(tok.vocab_size))
+    with torch.no_grad():
+        for texts, score in ((texts_a, [2.0, 0.0, 1.0]), (texts_b, [0.5, 1.5])):
+            for t, v in zip(texts, score):
+                table[t[-1]] = v
+
+    class Scorer(torch.nn.Module):
+        packed = False
+
+        def forward(self, ids, mask, flat=False):
+            return table[ids.gather(1, (mask.sum(1, keepdim=True) - 1))[:, 0]]
+
+    assert len({t[-1] for t in texts_a + texts_b}) == 5  # every text ends in its own token
+    args = rm.Args(batch_size=2)
+    optimizer = torch.optim.SGD([table], lr=0.0)
+    sums, _ = rm.preference_update(Scorer(), optimizer, rankings, 2, args, 0, 1, "cpu", contextlib.nullcontext(),
+                                   rankings=True)
+    # -log sigmoid(d) = log(1 + e^-d): d = 2 -> 0.1269280, d = 1 -> 0.3132617, d = -1 -> 1.3132617
+    expected = ((0.1269280 + 0.3132617) / 6 + 1.3132617) / 2
+    assert sums["loss"] == pytest.approx(expected, abs=1e-6)
+    assert (sums["pairs"], sums["correct"], sums["texts"]) == (3, 2, 5)
 
 
 def tiny_classifier(tiny, arch: str):
@@ -263,27 +304,39 @@ def test_learning_on_the_embedded_task(tmp_path):
     assert evals[1] >= 0.7 and evals[1] >= evals[0] + 0.08
 
 
-def test_instructgpt_pipeline_sft_then_reward_model_then_ppo(tiny, tmp_path):
-    """sft.py -> reward_model.py (from the SFT model) -> ppo.py (from the SFT model) with the learned, whitened
-    reward given as a JSON spec file, a few steps each: PPO's logged scores are the reward model's."""
+def test_instructgpt_pipeline_the_three_commands(tmp_path):
+    """docs/reward_model.md's three commands at a tiny budget, on the embedded task: sft.py; reward_model.py
+    --comparisons (the SFT model's samples, ranked by correctness: every pair has a right chosen and a wrong rejected
+    answer, and all the pairs of a prompt are one ranking); ppo.py --reward <rm>/final/reward.json --gold-reward:
+    PPO's reward is the reward model's alone, the rule reward is logged beside it."""
     import ppo
     import sft
 
-    sft_out = sft.main(sft.Args(model_name_or_path=str(tiny / "model"), dataset=str(tiny / "data"),
-                                output_dir=str(tmp_path / "sft"), total_steps=2, batch_size=8, eval_split=None,
+    sft_out = sft.main(sft.Args(output_dir=str(tmp_path / "sft"), total_steps=2, batch_size=8, eval_split=None,
                                 warmup_steps=0))
     policy = str(Path(sft_out["run_dir"]) / "final")
-    rm_out = rm.main(tiny_args(tiny, tmp_path / "rm", model_name_or_path=policy, eval_split=None))
-    spec = tmp_path / "rm_reward.json"
-    spec.write_text(json.dumps({"type": "reward_model", "model": str(Path(rm_out["run_dir"]) / "final"),
-                                "device": "cpu", "normalize": True}))
-    out = ppo.main(ppo.Args(model_name_or_path=policy, dataset=str(tiny / "data"), output_dir=str(tmp_path / "ppo"),
-                            reward=str(spec), total_steps=2, prompts_per_step=4, num_mini_batches=2,
-                            max_completion_length=8, eval_split=None, warmup_steps=0))
+    rm_out = rm.main(rm.Args(model_name_or_path=policy, comparisons=4, comparison_prompts=24, dataset_split="train",
+                             output_dir=str(tmp_path / "rm"), total_steps=3, batch_size=4, eval_limit=16, eval_every=0,
+                             warmup_steps=0))
+    run = Path(rm_out["run_dir"])
+    pairs, train = read_jsonl(run / "comparisons.jsonl"), read_jsonl(ROOT / "data/arith/train.jsonl")[:24]
+    assert pairs and {p["k"] for p in pairs} == {4} and {p["ranking"] for p in pairs} <= set(range(24))
+    for p in pairs:
+        assert p["prompt"] == train[p["ranking"]]["prompt"] and p["answer"] == train[p["ranking"]]["answer"]
+        assert rm.answer_matches(p["chosen"], p["answer"]) and not rm.answer_matches(p["rejected"], p["answer"])
+    for key in {p["ranking"] for p in pairs}:  # c right and 4 - c wrong samples: c (4 - c) pairs, ties dropped
+        assert sum(p["ranking"] == key for p in pairs) in (3, 4)
+    assert read_jsonl(run / "comparisons_test.jsonl") and "eval/comparison_accuracy" in rm_out
+    spec = json.loads((run / "final" / "reward.json").read_text())
+    assert spec == {"type": "reward_model", "model": str((run / "final").resolve()), "normalize": True}
+    out = ppo.main(ppo.Args(model_name_or_path=policy, reward=str(run / "final" / "reward.json"),
+                            gold_reward="correctness", output_dir=str(tmp_path / "ppo"), total_steps=2,
+                            prompts_per_step=8, num_mini_batches=2, eval_split=None, warmup_steps=0))
     rows = train_rows(out["run_dir"])
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(math.isfinite(r["rewards/reward_model"]) and r["train/reward"] == r["rewards/reward_model"]
-               for r in rows)
+    for r in rows:  # the learned reward alone is trained on; the gold one is a mean of correctness's 1 and -0.5
+        assert math.isfinite(r["rewards/reward_model"]) and r["train/reward"] == r["rewards/reward_model"]
+        assert any(r["rewards/gold"] == pytest.approx((1.5 * n - 4) / 8) for n in range(9))
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -304,6 +357,11 @@ GOOD = {"prompt": "1+1=", "chosen": "<answer>2</answer>", "rejected": "<answer>3
     ([GOOD], {"margin_column": "margin"}, r"line 1: has no column \['margin'\]"),
     ([{**GOOD, "margin": "big"}], {"margin_column": "margin"}, r"line 1: margin 'margin' is 'big', not a number"),
     ([GOOD], {"chosen_column": "good"}, r"has no column \['good'\].*--chosen-column"),
+    ([GOOD], {"ranking_column": "ranking"}, r"line 1: has no column \['ranking', 'k'\]"),
+    ([GOOD], {"comparisons": 4}, r"line 1: has no column \['answer'\] that --comparisons needs"),
+    ([{**GOOD, "ranking": 0, "k": 1}], {"ranking_column": "ranking"}, r"row 0: ranking size k=1"),
+    ([{**GOOD, "ranking": 0, "k": 2}, {**GOOD, "chosen": "2", "ranking": 0, "k": 2}], {"ranking_column": "ranking"},
+     r"row 1: ranking 0 has more than C\(2,2\) = 1 pairs"),
 ])
 def test_bad_data_fails_before_any_work(tiny, tmp_path, rows, overrides, message):
     data = write_prefs(tmp_path / "data", rows)
@@ -316,6 +374,11 @@ def test_bad_data_fails_before_any_work(tiny, tmp_path, rows, overrides, message
     ({"batch_size": 3, "micro_batch_size": 2}, "use --micro-batch-size 1"),
     ({"max_length": 0}, "--max-length must be positive"),
     ({"center_rewards_coef": -1.0}, "--center-rewards-coef must be >= 0"),
+    ({"comparisons": 1}, "--comparisons 1: it ranks K >= 2 samples"),
+    ({"comparisons": 4, "margin_column": "margin"}, "drop --margin-column and --ranking-column"),
+    ({"comparisons": 4, "labeler": "correctnes"}, "unknown reward type 'correctnes'"),
+    ({"comparisons": 4, "policy": "no/such/model"}, "model 'no/such/model' does not exist"),
+    ({"ranking_column": "ranking", "margin_column": "margin"}, "a ranking's pairs carry no margin"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
     with pytest.raises(ValueError) as e:

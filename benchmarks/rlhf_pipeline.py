@@ -1,0 +1,157 @@
+"""InstructGPT's pipeline on the embedded task, end to end: reward model, then ppo.py against it; the gold reward beside.
+
+Each recipe is two commands (the SFT model, models/tiny-arith, is sft.py's and already made):
+
+    python reward_model.py <the recipe's reward-model flags>                 # -> runs/<rm>/final/reward.json
+    python ppo.py --reward runs/<rm>/final/reward.json --gold-reward '{"type": "correctness", "wrong": 0}' <ppo flags>
+
+PPO never sees the rule reward: it is logged beside the learned one as rewards/gold (here the fraction of the step's
+samples that are correct). The table: greedy accuracy on the 500 test problems at the start and the end (each seed),
+the learned and the gold reward and the KL over the last 20 steps, and the minutes of each stage. The plot: gold and
+proxy (learned, whitened) reward against the KL per completion, the over-optimisation picture of Gao et al. 2022
+(arXiv:2210.10760, Fig. 1), for every recipe run.
+
+    python benchmarks/rlhf_pipeline.py                                  # the working recipe, seeds 1 2 3
+    python benchmarks/rlhf_pipeline.py --recipes synthetic --seeds 1    # the failing one: offline one-slip pairs
+    python benchmarks/rlhf_pipeline.py --summarize-only --plot docs/rlhf_overoptimisation.png
+
+Runs go to runs/rlhf_pipeline/ (--output-dir); a stage already finished (its final/ exists) is not run again. Times
+depend on what else runs on the machine: compare them only within one table.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLD = '{"type": "correctness", "wrong": 0}'  # 1 for a correct answer, else 0: the step's mean is its accuracy
+RECIPES = {  # name: (reward_model.py flags, ppo.py flags)
+    "synthetic": ([], []),  # 4,000 offline pairs of one slip each (data/arith/prefs.jsonl), ppo.py's defaults
+    "onpolicy": (["--comparisons", "8", "--dataset-split", "train"], []),
+}
+
+
+@dataclass
+class Args:
+    recipes: tuple[str, ...] = ("onpolicy",)
+    """which recipes to run (keys of RECIPES)"""
+    seeds: tuple[int, ...] = (1, 2, 3)
+    """the seed of both stages"""
+    threads: int = 2
+    """OMP_NUM_THREADS of each stage"""
+    output_dir: str = str(ROOT / "runs" / "rlhf_pipeline")
+    """where the runs go"""
+    summarize_only: bool = False
+    """only print the table of the runs already finished"""
+    plot: str = ""
+    """if set, a PNG path for gold and proxy reward against KL"""
+    rm_flags: tuple[str, ...] = ()
+    """extra reward_model.py flags for every recipe"""
+    ppo_flags: tuple[str, ...] = ()
+    """extra ppo.py flags for every recipe"""
+
+
+def finished(root: Path, name: str):
+    found = sorted(d for d in root.glob(f"*__{name}__*") if (d / "final").exists())
+    return found[-1] if found else None
+
+
+def stage(root: Path, name: str, cmd: list[str], threads: int) -> Path:
+    if finished(root, name) is None:
+        t0, log = time.time(), root / f"{name}.log"
+        with log.open("w") as f:
+            rc = subprocess.run([sys.executable, *cmd, "--exp-name", name, "--output-dir", str(root)], cwd=ROOT,
+                                env={**os.environ, "OMP_NUM_THREADS": str(threads)}, stdout=f, stderr=subprocess.STDOUT)
+        if rc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc.returncode}); see {log}")
+        (finished(root, name) / "wall_s.txt").write_text(f"{time.time() - t0:.1f}\n")
+    return finished(root, name)
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(rm: Path, ppo: Path) -> dict:
+    steps = [r for r in rows(ppo) if "train/kl" in r]
+    evals = [r["eval/accuracy"] for r in rows(ppo) if "eval/accuracy" in r]
+    last = steps[-20:]
+    wall = lambda run: float((run / "wall_s.txt").read_text()) / 60 if (run / "wall_s.txt").exists() else float("nan")
+    held_out = [r["eval/comparison_accuracy"] for r in rows(rm) if "eval/comparison_accuracy" in r]
+    return {"start": 100 * evals[0], "end": 100 * evals[-1], "evals": evals,
+            "proxy": statistics.mean(r["rewards/reward_model"] for r in last),
+            "gold": statistics.mean(r["rewards/gold"] for r in last), "kl": statistics.mean(r["train/kl"] for r in last),
+            "rm_min": wall(rm), "ppo_min": wall(ppo), "rm_comparisons": held_out[-1] if held_out else None,
+            "rm_pairs": [r["eval/pref_accuracy"] for r in rows(rm) if "eval/pref_accuracy" in r][-1],
+            "curve": [(r["train/kl"], r["rewards/reward_model"], r["rewards/gold"]) for r in steps]}
+
+
+def main(args: Args) -> None:
+    unknown = set(args.recipes) - set(RECIPES)
+    if unknown:
+        raise SystemExit(f"unknown recipe(s) {sorted(unknown)}: choose from {list(RECIPES)}")
+    root = Path(args.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for recipe in args.recipes:
+        for seed in args.seeds:
+            rm_name, ppo_name = f"rm_{recipe}_{seed}", f"ppo_{recipe}_{seed}"
+            if args.summarize_only and not (finished(root, rm_name) and finished(root, ppo_name)):
+                continue
+            rm_flags, ppo_flags = RECIPES[recipe]
+            rm = stage(root, rm_name, ["reward_model.py", "--seed", str(seed), *rm_flags, *args.rm_flags], args.threads)
+            ppo = stage(root, ppo_name, ["ppo.py", "--seed", str(seed), "--reward", str(rm / "final" / "reward.json"),
+                                         "--gold-reward", GOLD, *ppo_flags, *args.ppo_flags], args.threads)
+            results[recipe, seed] = summary(rm, ppo)
+    print("| recipe | seed | RM held-out: synthetic pairs / policy comparisons | greedy accuracy, start -> evals -> end | "
+          "gain | proxy / gold / KL, last 20 steps | RM min | PPO min |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (recipe, seed), r in results.items():
+        comparisons = "-" if r["rm_comparisons"] is None else f"{100 * r['rm_comparisons']:.1f}%"
+        print(f"| {recipe} | {seed} | {100 * r['rm_pairs']:.1f}% / {comparisons} | "
+              f"{' -> '.join(f'{100 * e:.1f}' for e in r['evals'])} | **{r['end'] - r['start']:+.1f}** | "
+              f"{r['proxy']:.2f} / {r['gold']:.3f} / {r['kl']:.2f} | {r['rm_min']:.1f} | {r['ppo_min']:.1f} |")
+    for recipe in args.recipes:
+        gains = [r["end"] - r["start"] for (name, _), r in results.items() if name == recipe]
+        if gains:
+            print(f"\n{recipe}: gain {statistics.mean(gains):+.1f} points on average over {len(gains)} seeds "
+                  f"(min {min(gains):+.1f})")
+    if args.plot:
+        draw(results, Path(args.plot))
+
+
+def draw(results: dict, path: Path, window: int = 20) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    for k, ((recipe, seed), r) in enumerate(results.items()):
+        smooth = lambda xs: [statistics.mean(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
+        kl, proxy, gold = (smooth([c[j] for c in r["curve"]]) for j in range(3))
+        style = dict(color=f"C{list(RECIPES).index(recipe)}", alpha=1.0 if seed == 1 else 0.5)
+        axes[0].plot(kl, proxy, **style, label=f"{recipe}, seed {seed}")
+        axes[1].plot(kl, gold, **style, label=f"{recipe}, seed {seed}")
+    axes[0].set(title="proxy: the learned reward (whitened)", xlabel="KL per completion (nats)", ylabel="reward")
+    axes[1].set(title="gold: fraction of samples correct", xlabel="KL per completion (nats)", ylabel="accuracy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.set_xscale("symlog", linthresh=1.0)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"ppo.py against a learned reward on tiny-arith ({window}-step means, in the order of training)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
