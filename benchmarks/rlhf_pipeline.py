@@ -11,8 +11,8 @@ the learned and the gold reward and the KL over the last 20 steps, and the minut
 proxy (learned, whitened) reward against the KL per completion, the over-optimisation picture of Gao et al. 2022
 (arXiv:2210.10760, Fig. 1), for every recipe run.
 
-    python benchmarks/rlhf_pipeline.py                                  # the working recipe, seeds 1 2 3
-    python benchmarks/rlhf_pipeline.py --recipes synthetic --seeds 1    # the failing one: offline one-slip pairs
+    python benchmarks/rlhf_pipeline.py                                  # on-policy comparisons, seeds 1 2 3
+    python benchmarks/rlhf_pipeline.py --recipes synthetic onpolicy --seeds 1 --ppo-flags="--total-steps 150"
     python benchmarks/rlhf_pipeline.py --summarize-only --plot docs/rlhf_overoptimisation.png
 
 Runs go to runs/rlhf_pipeline/ (--output-dir); a stage already finished (its final/ exists) is not run again. Times
@@ -21,6 +21,7 @@ depend on what else runs on the machine: compare them only within one table.
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -52,10 +53,10 @@ class Args:
     """only print the table of the runs already finished"""
     plot: str = ""
     """if set, a PNG path for gold and proxy reward against KL"""
-    rm_flags: tuple[str, ...] = ()
-    """extra reward_model.py flags for every recipe"""
-    ppo_flags: tuple[str, ...] = ()
-    """extra ppo.py flags for every recipe"""
+    rm_flags: str = ""
+    """extra reward_model.py flags for every recipe, e.g. "--total-steps 600" (quoted)"""
+    ppo_flags: str = ""
+    """extra ppo.py flags for every recipe, e.g. "--total-steps 150 --eval-every 50" (quoted)"""
 
 
 def finished(root: Path, name: str):
@@ -106,9 +107,9 @@ def main(args: Args) -> None:
             if args.summarize_only and not (finished(root, rm_name) and finished(root, ppo_name)):
                 continue
             rm_flags, ppo_flags = RECIPES[recipe]
-            rm = stage(root, rm_name, ["reward_model.py", "--seed", str(seed), *rm_flags, *args.rm_flags], args.threads)
+            rm = stage(root, rm_name, ["reward_model.py", "--seed", str(seed), *rm_flags, *shlex.split(args.rm_flags)], args.threads)
             ppo = stage(root, ppo_name, ["ppo.py", "--seed", str(seed), "--reward", str(rm / "final" / "reward.json"),
-                                         "--gold-reward", GOLD, *ppo_flags, *args.ppo_flags], args.threads)
+                                         "--gold-reward", GOLD, *ppo_flags, *shlex.split(args.ppo_flags)], args.threads)
             results[recipe, seed] = summary(rm, ppo)
     print("| recipe | seed | RM held-out: synthetic pairs / policy comparisons | greedy accuracy, start -> evals -> end | "
           "gain | proxy / gold / KL, last 20 steps | RM min | PPO min |")
