@@ -129,6 +129,9 @@ class Args:
     cap), for backends whose numerics differ from the trainer's (bf16, compiled); None: off"""
     reward: str = DEFAULT_SPEC
     """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
+    center_scores_per_prompt: bool = False
+    """subtract from each score the mean score of its prompt's --num-generations completions: a Bradley-Terry reward
+    model is trained on comparisons within a prompt and fixes its scores only up to a constant per prompt"""
     gold_reward: Optional[str] = None
     """a reward spec logged beside --reward as rewards/gold, never trained on: with a learned --reward, the true
     reward it stands in for (e.g. correctness), to watch over-optimisation (arXiv:2210.10760)"""
@@ -683,6 +686,8 @@ def check_args(args: Args) -> int:
             check_common(args, (), (), (args.value_model_name_or_path,))
         except ValueError as e:
             raise ValueError(f"--value-model-name-or-path: {e}") from None
+    if args.center_scores_per_prompt and args.num_generations < 2:
+        raise ValueError("--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more")
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.prompts_per_step % world:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} does not split evenly over {world} processes: "
@@ -861,6 +866,9 @@ def main(args: Args) -> dict:
                 rows = [i for i in order.draw(groups) for _ in range(G)]
                 batch = rollout(raw_model, tokenizer, data, rows, gen_config, args.generation_backend, eos_tensor,
                                 reward, autocast, timing)
+            if args.center_scores_per_prompt:  # the reward less its prompt's mean (rewards/<name> stay raw)
+                total = batch["rewards"]["total"]
+                batch["rewards"]["total"] = total - total.view(-1, G).mean(1).repeat_interleave(G)
             if gold is not None:  # logged as rewards/gold beside the reward, never in the loss
                 of_rows = {k: [v[i] for i in rows] for k, v in data["columns"].items()}
                 batch["rewards"]["gold"] = torch.tensor(gold(batch["completions"], prompts=[data["prompts"][i]

@@ -3,7 +3,8 @@
 Each recipe is two commands (the SFT model, models/tiny-arith, is sft.py's and already made):
 
     python reward_model.py <the recipe's reward-model flags>                 # -> runs/<rm>/final/reward.json
-    python ppo.py --reward runs/<rm>/final/reward.json --gold-reward '{"type": "correctness", "wrong": 0}' <ppo flags>
+    python ppo.py --reward <that spec, its score postprocessed as the recipe says> \
+        --gold-reward '{"type": "correctness", "wrong": 0}'
 
 PPO never sees the rule reward: it is logged beside the learned one as rewards/gold (here the fraction of the step's
 samples that are correct). The table: greedy accuracy on the 500 test problems at the start and the end (each seed),
@@ -11,7 +12,7 @@ the learned and the gold reward and the KL over the last 20 steps, and the minut
 proxy (learned, whitened) reward against the KL per completion, the over-optimisation picture of Gao et al. 2022
 (arXiv:2210.10760, Fig. 1), for every recipe run.
 
-    python benchmarks/rlhf_pipeline.py                                  # on-policy comparisons, seeds 1 2 3
+    python benchmarks/rlhf_pipeline.py                                  # onpolicy_clip, seeds 1 2 3
     python benchmarks/rlhf_pipeline.py --recipes synthetic onpolicy --seeds 1 --ppo-flags="--total-steps 150"
     python benchmarks/rlhf_pipeline.py --summarize-only --plot docs/rlhf_overoptimisation.png
 
@@ -33,15 +34,21 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLD = '{"type": "correctness", "wrong": 0}'  # 1 for a correct answer, else 0: the step's mean is its accuracy
-RECIPES = {  # name: (reward_model.py flags, ppo.py flags)
-    "synthetic": ([], []),  # 4,000 offline pairs of one slip each (data/arith/prefs.jsonl), ppo.py's defaults
-    "onpolicy": (["--comparisons", "8", "--dataset-split", "train"], []),
+REWARD_MODELS = {  # name: reward_model.py flags
+    "offline": [],  # 4,000 offline pairs of one slip each (data/arith/prefs.jsonl)
+    "comparisons": ["--comparisons", "8", "--dataset-split", "train"],  # 2,000 prompts x 8 samples of the SFT model
+}
+VERDICT = [{"type": "clip", "min": -1.0, "max": 0.0}]  # the whitened score clipped: right ~ 0, wrong below
+RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py)
+    "synthetic": ("offline", []),
+    "onpolicy": ("comparisons", []),
+    "onpolicy_clip": ("comparisons", VERDICT),
 }
 
 
 @dataclass
 class Args:
-    recipes: tuple[str, ...] = ("onpolicy",)
+    recipes: tuple[str, ...] = ("onpolicy_clip",)
     """which recipes to run (keys of RECIPES)"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """the seed of both stages"""
@@ -57,6 +64,8 @@ class Args:
     """extra reward_model.py flags for every recipe, e.g. "--total-steps 600" (quoted)"""
     ppo_flags: str = ""
     """extra ppo.py flags for every recipe, e.g. "--total-steps 150 --eval-every 50" (quoted)"""
+    runs: tuple[str, ...] = ()
+    """other ppo.py runs (with --gold-reward) for the table and the plot, as label=run-folder"""
 
 
 def finished(root: Path, name: str):
@@ -80,17 +89,18 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def summary(rm: Path, ppo: Path) -> dict:
-    steps = [r for r in rows(ppo) if "train/kl" in r]
+def summary(rm, ppo: Path) -> dict:
+    """A PPO run's metrics (and its reward model's, if given) -> the table's numbers and the curve."""
+    steps = [r for r in rows(ppo) if "rewards/gold" in r]
     evals = [r["eval/accuracy"] for r in rows(ppo) if "eval/accuracy" in r]
     last = steps[-20:]
-    wall = lambda run: float((run / "wall_s.txt").read_text()) / 60 if (run / "wall_s.txt").exists() else float("nan")
-    held_out = [r["eval/comparison_accuracy"] for r in rows(rm) if "eval/comparison_accuracy" in r]
-    return {"start": 100 * evals[0], "end": 100 * evals[-1], "evals": evals,
+    wall = lambda run: float((run / "wall_s.txt").read_text()) / 60 if run and (run / "wall_s.txt").exists() else None
+    metric = lambda key: ([r[key] for r in rows(rm) if key in r] or [None])[-1] if rm else None
+    return {"start": 100 * evals[0], "end": 100 * evals[-1], "evals": evals, "steps": steps[-1]["step"],
             "proxy": statistics.mean(r["rewards/reward_model"] for r in last),
             "gold": statistics.mean(r["rewards/gold"] for r in last), "kl": statistics.mean(r["train/kl"] for r in last),
-            "rm_min": wall(rm), "ppo_min": wall(ppo), "rm_comparisons": held_out[-1] if held_out else None,
-            "rm_pairs": [r["eval/pref_accuracy"] for r in rows(rm) if "eval/pref_accuracy" in r][-1],
+            "rm_min": wall(rm), "ppo_min": wall(ppo), "rm_comparisons": metric("eval/comparison_accuracy"),
+            "rm_pairs": metric("eval/pref_accuracy"),
             "curve": [(r["train/kl"], r["rewards/reward_model"], r["rewards/gold"]) for r in steps]}
 
 
@@ -103,22 +113,28 @@ def main(args: Args) -> None:
     results = {}
     for recipe in args.recipes:
         for seed in args.seeds:
-            rm_name, ppo_name = f"rm_{recipe}_{seed}", f"ppo_{recipe}_{seed}"
+            reward_model, postprocess = RECIPES[recipe]
+            rm_name, ppo_name = f"rm_{reward_model}_{seed}", f"ppo_{recipe}_{seed}"
             if args.summarize_only and not (finished(root, rm_name) and finished(root, ppo_name)):
                 continue
-            rm_flags, ppo_flags = RECIPES[recipe]
-            rm = stage(root, rm_name, ["reward_model.py", "--seed", str(seed), *rm_flags, *shlex.split(args.rm_flags)], args.threads)
-            ppo = stage(root, ppo_name, ["ppo.py", "--seed", str(seed), "--reward", str(rm / "final" / "reward.json"),
-                                         "--gold-reward", GOLD, *ppo_flags, *shlex.split(args.ppo_flags)], args.threads)
+            rm = stage(root, rm_name, ["reward_model.py", "--seed", str(seed), *REWARD_MODELS[reward_model],
+                                       *shlex.split(args.rm_flags)], args.threads)
+            spec = {**json.loads((rm / "final" / "reward.json").read_text()), "postprocess": postprocess}
+            (root / f"{recipe}_{seed}.json").write_text(json.dumps(spec))
+            ppo = stage(root, ppo_name, ["ppo.py", "--seed", str(seed), "--reward", str(root / f"{recipe}_{seed}.json"),
+                                         "--gold-reward", GOLD, *shlex.split(args.ppo_flags)], args.threads)
             results[recipe, seed] = summary(rm, ppo)
+    for label, folder in (run.split("=", 1) for run in args.runs):
+        results[label, 1] = summary(None, Path(folder))
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
     print("| recipe | seed | RM held-out: synthetic pairs / policy comparisons | greedy accuracy, start -> evals -> end | "
-          "gain | proxy / gold / KL, last 20 steps | RM min | PPO min |")
-    print("|---|---|---|---|---|---|---|---|")
+          "gain | steps | proxy / gold / KL, last 20 steps | RM min | PPO min |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (recipe, seed), r in results.items():
-        comparisons = "-" if r["rm_comparisons"] is None else f"{100 * r['rm_comparisons']:.1f}%"
-        print(f"| {recipe} | {seed} | {100 * r['rm_pairs']:.1f}% / {comparisons} | "
-              f"{' -> '.join(f'{100 * e:.1f}' for e in r['evals'])} | **{r['end'] - r['start']:+.1f}** | "
-              f"{r['proxy']:.2f} / {r['gold']:.3f} / {r['kl']:.2f} | {r['rm_min']:.1f} | {r['ppo_min']:.1f} |")
+        print(f"| {recipe} | {seed} | {pct(r['rm_pairs'])} / {pct(r['rm_comparisons'])} | "
+              f"{' -> '.join(f'{100 * e:.1f}' for e in r['evals'])} | **{r['end'] - r['start']:+.1f}** | {r['steps']} | "
+              f"{r['proxy']:.2f} / {r['gold']:.3f} / {r['kl']:.2f} | {r['rm_min'] or float('nan'):.1f} | "
+              f"{r['ppo_min'] or float('nan'):.1f} |")
     for recipe in args.recipes:
         gains = [r["end"] - r["start"] for (name, _), r in results.items() if name == recipe]
         if gains:
@@ -138,7 +154,7 @@ def draw(results: dict, path: Path, window: int = 20) -> None:
     for k, ((recipe, seed), r) in enumerate(results.items()):
         smooth = lambda xs: [statistics.mean(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
         kl, proxy, gold = (smooth([c[j] for c in r["curve"]]) for j in range(3))
-        style = dict(color=f"C{list(RECIPES).index(recipe)}", alpha=1.0 if seed == 1 else 0.5)
+        style = dict(color=f"C{k}", alpha=1.0 if seed == 1 else 0.5)
         axes[0].plot(kl, proxy, **style, label=f"{recipe}, seed {seed}")
         axes[1].plot(kl, gold, **style, label=f"{recipe}, seed {seed}")
     axes[0].set(title="proxy: the learned reward (whitened)", xlabel="KL per completion (nats)", ylabel="reward")

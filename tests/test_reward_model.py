@@ -431,3 +431,21 @@ def test_packed_padding_keeps_position_ids_within_a_learned_position_table(tiny)
         alone = torch.tensor([[model.score(model.base_model(input_ids=torch.tensor([t])).last_hidden_state[0, -1])[0]
                                for t in (c, r)] for c, r, _ in pairs])
     assert torch.allclose(packed, alone, atol=1e-5)
+
+
+def test_rlhf_pipeline_benchmark_runs_and_draws(tmp_path):
+    """benchmarks/rlhf_pipeline.py at a tiny budget: both stages of a recipe, the table and the picture."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import rlhf_pipeline
+
+    rlhf_pipeline.main(rlhf_pipeline.Args(
+        recipes=("onpolicy_clip",), seeds=(1,), threads=1, output_dir=str(tmp_path), plot=str(tmp_path / "p.png"),
+        rm_flags="--comparison-prompts 16 --total-steps 2 --batch-size 4 --eval-limit 8",
+        ppo_flags="--total-steps 3 --prompts-per-step 8 --eval-limit 8 --eval-every 0"))
+    spec = json.loads((tmp_path / "onpolicy_clip_1.json").read_text())
+    assert spec["type"] == "reward_model" and spec["postprocess"] == rlhf_pipeline.VERDICT
+    rows = train_rows(rlhf_pipeline.finished(tmp_path, "ppo_onpolicy_clip_1"))
+    assert len(rows) == 3 and all(-1.0 <= r["train/reward"] <= 0.0 and 0.0 <= r["rewards/gold"] <= 1.0 for r in rows)
+    assert (tmp_path / "p.png").stat().st_size > 0
