@@ -12,10 +12,10 @@ Run:
     python reward_model.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/hub-prefs --dataset-split train \
         --eval-split test --max-length 1024 --micro-batch-size 4 --learning-rate 1e-5 --lora-r 16
     torchrun --nproc-per-node 2 reward_model.py                  # data parallel (gloo on CPU, nccl on GPU)
-    # InstructGPT's pipeline: SFT -> reward model -> PPO scored by it
-    python sft.py && python reward_model.py --model-name-or-path runs/<sft-run>/final
-    echo '{"type": "reward_model", "model": "runs/<rm-run>/final", "normalize": true}' > rm_reward.json
-    python ppo.py --model-name-or-path runs/<sft-run>/final --reward rm_reward.json
+    # InstructGPT's pipeline: SFT -> reward model from the SFT model's own samples, ranked -> PPO scored by it
+    python sft.py --final-dir runs/sft && python reward_model.py --model-name-or-path runs/sft --comparisons 8 \
+        --dataset-split train
+    python ppo.py --model-name-or-path runs/sft --reward runs/<rm-run>/final/reward.json --gold-reward correctness
 
 Deviations (why, and the measurements: docs/reward_model.md):
 - The new score head is initialised N(0, 1/(H+1)) as in lm-human-preferences (arXiv:2403.17031), not HF's std 0.02.
@@ -23,7 +23,8 @@ Deviations (why, and the measurements: docs/reward_model.md):
   as AutoModelForSequenceClassification and the `reward_model` reward read it.
 - Prefix sharing (`--pack-pairs`, arXiv:2410.20305): a pair in one row, chosen + the rejected tail, masked so that
   every token sees what it sees alone (the same scores); checked at start, unpacked if the model fails the check.
-- A batch is `--batch-size` pairs in epoch order, one comparison a row (InstructGPT: all K(K-1)/2 of a prompt).
+- A batch is `--batch-size` pairs in epoch order, one comparison a row; with `--ranking-column` (and `--comparisons`,
+  whose rankings come from a rule labeler, not people) it is `--batch-size` rankings, as in InstructGPT.
 - Pairs longer than `--max-length` are dropped (with a notice), not truncated; identical responses are an error.
 - Held-out accuracy counts ties as wrong; dropout is off; AdamW with warmup and cosine decay.
 """
@@ -242,13 +243,13 @@ def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_len
             raise ValueError(f"{what}, row {i}: ranking {key!r} " + (f"says k={k} and k={size}" if k != size else
                              f"has more than C({k},2) = {math.comb(k, 2)} pairs") + ": fix its column `k`")
         pairs.append(tuple(texts.setdefault(p + y, len(texts)) for y in (c, r)))
-    rankings, dropped, limit = [], 0, max_length
+    rankings, dropped = [], 0
     for texts, pairs, k in grouped.values():
         ids = tokenizer(list(texts))["input_ids"]
         if any(t and t[-1] == tokenizer.pad_token_id for t in ids):
             raise ValueError(f"{what}: a response ends in the pad token {tokenizer.pad_token!r}, where the classifier "
                              f"would not read its score: strip it from the data")
-        kept = [(a, b) for a, b in pairs if len(ids[a]) <= limit and len(ids[b]) <= limit]
+        kept = [(a, b) for a, b in pairs if len(ids[a]) <= max_length and len(ids[b]) <= max_length]
         dropped += len(pairs) - len(kept)
         used = {t: n for n, t in enumerate(sorted({t for pair in kept for t in pair}))}  # texts left in a pair
         if kept:
@@ -537,13 +538,13 @@ def check_args(args: Args) -> int:
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
-    train_columns = columns + [c for c in (args.margin_column, args.ranking_column) if c] + ["k"] * bool(args.ranking_column)
-    train_check = pair_problem(train_columns, args.margin_column)
+    extra = [c for c in (args.margin_column, args.ranking_column) if c] + ["k"] * bool(args.ranking_column)
+    train_check = pair_problem(columns + extra, args.margin_column)
     if args.comparisons:
         if args.comparisons < 2 or args.margin_column or args.ranking_column:
-            raise ValueError(f"--comparisons {args.comparisons}: " + ("it ranks K >= 2 samples of each prompt (0: read pairs)"
-                             if args.comparisons < 2 else "its pairs have no margin and are ranked by prompt: drop "
-                             "--margin-column and --ranking-column"))
+            raise ValueError(f"--comparisons {args.comparisons}: " + (
+                "it ranks K >= 2 samples of each prompt (0: read pairs)" if args.comparisons < 2 else
+                "its pairs have no margin and are ranked by prompt: drop --margin-column and --ranking-column"))
         needed = [args.prompt_column, *sorted(make_reward(args.labeler).required_columns)]  # a bad spec fails here
         train_check = lambda row: (f"has no column {[c for c in needed if c not in row]} that --comparisons needs (the "
                                    f"prompt, and what --labeler reads); its columns: {sorted(row)}"

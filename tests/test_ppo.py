@@ -273,6 +273,9 @@ def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_
     ({"value_model_name_or_path": "models/nope"}, "--value-model-name-or-path: model 'models/nope' does not exist"),
     ({"reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),
     ({"prompts_per_step": 4, "num_mini_batches": 1, "micro_batch_size": 3}, "use --micro-batch-size 2"),
+    ({"center_scores_per_prompt": True}, "--center-scores-per-prompt needs several completions of a prompt"),
+    ({"gold_reward": "correctnes"}, "unknown reward type 'correctnes'"),
+    ({"gold_reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
     with pytest.raises(ValueError) as e:
@@ -287,3 +290,14 @@ def test_reward_needing_a_missing_column(tiny, tmp_path):
         ppo.main(tiny_args(tiny, tmp_path / "out", dataset=str(tmp_path / "prompts.jsonl"), reward="correctness",
                            eval_split=None))
     assert not (tmp_path / "out").exists()
+
+
+def test_gold_reward_is_logged_beside_the_reward_and_scores_are_centred_per_prompt(tiny, tmp_path):
+    """--gold-reward: rewards/gold is the gold reward's mean on the step's samples (here the trained reward itself, so
+    the two agree) and never enters the trained reward; --center-scores-per-prompt: each prompt's G scores less their
+    mean, so the trained reward's batch mean is 0 while the reward's own component keeps its raw mean."""
+    out = ppo.main(tiny_args(tiny, tmp_path, num_generations=2, center_scores_per_prompt=True,
+                             gold_reward="capitalization"))
+    for r in train_rows(out["run_dir"]):
+        assert r["train/reward"] == pytest.approx(0.0, abs=1e-6) and r["rewards/capitalization"] > 0.0
+        assert r["rewards/gold"] == pytest.approx(r["rewards/capitalization"], abs=1e-6)
