@@ -124,7 +124,7 @@ def main(args: Args) -> None:
             ppo = stage(root, ppo_name, ["ppo.py", "--seed", str(seed), "--reward", str(root / f"{recipe}_{seed}.json"),
                                          "--gold-reward", GOLD, *shlex.split(args.ppo_flags)], args.threads)
             results[recipe, seed] = summary(rm, ppo)
-    for label, folder in (run.split("=", 1) for run in args.runs):
+    for label, folder in (run.rsplit("=", 1) for run in args.runs):
         results[label, 1] = summary(None, Path(folder))
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
     print("| recipe | seed | RM held-out: synthetic pairs / policy comparisons | greedy accuracy, start -> evals -> end | "
