@@ -549,9 +549,11 @@ def check_args(args: Args) -> int:
         train_check = lambda row: (f"has no column {[c for c in needed if c not in row]} that --comparisons needs (the "
                                    f"prompt, and what --labeler reads); its columns: {sorted(row)}"
                                    if any(c not in row for c in needed) else None)
+        eval_check = lambda row: pair_problem(columns, None)(row) or train_check(row)  # its prompts are sampled too
     elif args.ranking_column and args.margin_column:
         raise ValueError("--ranking-column with --margin-column: a ranking's pairs carry no margin; drop one of them")
-    check_data(args, {"dataset_split": train_check, "eval_split": pair_problem(columns, None)})
+    check_data(args, {"dataset_split": train_check, "eval_split": eval_check if args.comparisons else
+                      pair_problem(columns, None)})
     return micro
 
 

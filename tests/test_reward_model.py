@@ -370,6 +370,15 @@ def test_bad_data_fails_before_any_work(tiny, tmp_path, rows, overrides, message
     assert not (tmp_path / "out").exists()
 
 
+def test_comparisons_check_the_eval_split_for_the_labelers_columns_first(tiny, tmp_path):
+    data = write_prefs(tmp_path / "data", [GOOD])  # held-out pairs without an answer: their prompts cannot be labeled
+    (data / "train.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"prefs.jsonl, line 1: has no column \['answer'\] that --comparisons needs"):
+        rm.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), dataset_split="train", eval_split="prefs",
+                          comparisons=2))
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"batch_size": 3, "micro_batch_size": 2}, "use --micro-batch-size 1"),
     ({"max_length": 0}, "--max-length must be positive"),
