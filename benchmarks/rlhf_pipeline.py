@@ -14,7 +14,8 @@ proxy (learned, whitened) reward against the KL per completion, the over-optimis
 
     python benchmarks/rlhf_pipeline.py                                  # onpolicy_clip, seeds 1 2 3
     python benchmarks/rlhf_pipeline.py --recipes synthetic onpolicy --seeds 1 --ppo-flags="--total-steps 150"
-    python benchmarks/rlhf_pipeline.py --summarize-only --plot docs/rlhf_overoptimisation.png
+    python benchmarks/rlhf_pipeline.py --recipes synthetic --seeds 1 --summarize-only \
+        --runs "clipped, 600 steps=runs/<ppo run>" --plot docs/rlhf_overoptimisation.png     # other runs beside
 
 Runs go to runs/rlhf_pipeline/ (--output-dir); a stage already finished (its final/ exists) is not run again. Times
 depend on what else runs on the machine: compare them only within one table.
