@@ -516,6 +516,28 @@ def pair_problem(columns: list[str], margin_column: Optional[str]) -> Callable[[
     return problem
 
 
+def comparison_data(args, run, tokenizer):
+    """--comparisons: the policy's own samples, ranked (Sec. 3.5), written once by rank 0 into the run directory
+    (comparisons.jsonl, and comparisons_test.jsonl from the eval split's prompts; a resumed run reads them back)
+    -> (the arguments that read them as rankings, the held-out comparisons as pairs)."""
+    for flag, name, limit in (("dataset_split", "comparisons", args.comparison_prompts),
+                              ("eval_split", "comparisons_test", args.eval_limit)):
+        path = run.dir / f"{name}.jsonl"
+        if run.rank == 0 and getattr(args, flag) and not path.exists():
+            rows = policy_comparisons(args, tokenizer, flag, limit, run.device, run.progress)
+            run.dir.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            path.with_suffix(".tmp").rename(path)  # atomic: a killed run leaves no half-written file
+            run.say(f"{path}: {len(rows)} pairs from {len({r['ranking'] for r in rows})} prompts x {args.comparisons} "
+                    f"samples of {args.policy or args.model_name_or_path} (the other prompts' samples all tied)")
+    run.barrier()
+    data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None, prompt_column="prompt",
+                        chosen_column="chosen", rejected_column="rejected", ranking_column="ranking")
+    held_out = load_pairs(replace(data_args, eval_split="comparisons_test"), tokenizer, "eval_split", False)[0] \
+        if args.eval_split else []
+    return data_args, held_out
+
+
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "track",
                      "wandb_project_name", "wandb_entity", "device", "pack_pairs")
 
@@ -570,25 +592,7 @@ def main(args: Args) -> dict:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     pad_id = tokenizer.pad_token_id
-    data_args, held_out = args, []
-    if args.comparisons:  # the pairs are the policy's own samples, ranked (Sec. 3.5): made once, read back on --resume
-        for flag, name, limit in (("dataset_split", "comparisons", args.comparison_prompts),
-                                  ("eval_split", "comparisons_test", args.eval_limit)):
-            path = run.dir / f"{name}.jsonl"
-            if rank == 0 and getattr(args, flag) and not path.exists():
-                rows = policy_comparisons(args, tokenizer, flag, limit, device, run.progress)
-                run.dir.mkdir(parents=True, exist_ok=True)
-                path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
-                path.with_suffix(".tmp").rename(path)
-                run.say(f"{path}: {len(rows)} pairs from {len({r['ranking'] for r in rows})} of {limit} prompts x "
-                        f"{args.comparisons} samples of {args.policy or args.model_name_or_path} (the others tied)")
-        run.barrier()
-        data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None,
-                                        prompt_column="prompt", chosen_column="chosen", rejected_column="rejected",
-                                        ranking_column="ranking")
-        if args.eval_split:
-            held_out = load_pairs(replace(data_args, eval_split="comparisons_test"), tokenizer,
-                                  "eval_split", False)[0]
+    data_args, held_out = comparison_data(args, run, tokenizer) if args.comparisons else (args, [])
     rankings = bool(data_args.ranking_column)
     pairs, dropped = load_pairs(data_args, tokenizer, "dataset_split", with_margin=True)
     eval_pairs, eval_dropped = load_pairs(args, tokenizer, "eval_split", False, args.eval_limit) if args.eval_split \
