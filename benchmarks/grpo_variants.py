@@ -12,8 +12,10 @@ CISPO, delta) differ from GRPO only because the default takes two updates per ba
 
 Runs go to runs/grpo_variants/ (--output-dir); a finished run (its final/ exists) is not run again. The table: greedy
 accuracy on the 500 test problems at the end (each seed and the mean, and the gain over the start), the mean training
-reward of the last 20 steps, the median seconds a step and the wall time of the run. Times depend on how many runs
-share the machine (--jobs, --threads): compare them only within one table.
+reward of the last 20 steps, the median seconds a step (and its ratio to grpo's) and the wall time of the run. Times
+depend on how many runs share the machine (--jobs, --threads): compare them only within one table. For step times
+alone, on a quiet machine: `--jobs 1 --threads 2 --seeds 1 --output-dir runs/grpo_variants_timing -- --total-steps 12
+--warmup-steps 2 --eval-limit 20`.
 """
 
 import json
@@ -106,8 +108,9 @@ def main(args: Args) -> None:
     print(f"grpo.py variants, extra flags {' '.join(args.grpo_flags) or '(none)'}; greedy accuracy (%) on the test "
           f"split at the end\n")
     print("| variant | flags | " + " | ".join(f"seed {s}" for s in args.seeds) +
-          " | mean | gain | reward, last 20 steps | s/step (median) | wall (mean) |")
-    print("|---|---|" + "---|" * len(args.seeds) + "---|---|---|---|---|")
+          " | mean | gain | reward, last 20 steps | s/step (median) | vs grpo | wall (mean) |")
+    print("|---|---|" + "---|" * len(args.seeds) + "---|---|---|---|---|---|")
+    base = statistics.median(r["step_s"] for r in results["grpo"].values()) if results.get("grpo") else None
     for v, by_seed in results.items():
         if not by_seed:
             continue
@@ -118,7 +121,8 @@ def main(args: Args) -> None:
               " | ".join("–" if e is None else f"{e:.1f}" for e in ends) +
               f" | **{statistics.mean(e for e in ends if e is not None):.1f}** | {gain:+.1f} | "
               f"{statistics.mean(statistics.mean(r['rewards'][-20:]) for r in done):.3f} | "
-              f"{statistics.median(r['step_s'] for r in done):.2f} | {wall(done)} |")
+              f"{(step_s := statistics.median(r['step_s'] for r in done)):.2f} | "
+              f"{f'{step_s / base:.2f}x' if base else '–'} | {wall(done)} |")
     if args.plot:
         draw(results, Path(args.plot))
 
