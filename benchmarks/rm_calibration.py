@@ -1,0 +1,64 @@
+"""How a reward model's scores separate right from wrong samples: across prompts (one threshold on the whitened
+score, what a clipped "verdict" reward sees at --num-generations 1) and within a prompt (what a Bradley-Terry model is
+trained on, and what ppo.py --center-scores-per-prompt sees).
+
+    python benchmarks/rm_calibration.py --reward-model runs/<rm>/final \
+        --comparisons runs/<comparisons run>/comparisons_test.jsonl
+
+The comparisons are reward_model.py --comparisons rows ranked by correctness: every chosen text a right sample, every
+rejected one a wrong sample, `ranking` the prompt. Each distinct text is scored once, whitened with the model's
+reward_mean / reward_std (the `reward_model` reward with "normalize": true, as ppo.py scores).
+"""
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rewards import make_reward  # noqa: E402
+
+
+@dataclass
+class Args:
+    reward_model: str
+    """a reward_model.py final/ folder (with reward_mean / reward_std)"""
+    comparisons: str
+    """a comparisons JSON-lines file of reward_model.py --comparisons (labeler: correctness)"""
+    thresholds: tuple[float, ...] = (-3.0, -2.0, -1.5, -1.0, -0.5, 0.0)
+    """whitened thresholds for the across-prompt table"""
+
+
+def main(args: Args) -> None:
+    groups = defaultdict(lambda: ({}, {}))  # ranking -> (right texts, wrong texts), each text once
+    for line in open(args.comparisons):
+        r = json.loads(line)
+        groups[r["ranking"]][0][r["chosen"]] = r["prompt"]
+        groups[r["ranking"]][1][r["rejected"]] = r["prompt"]
+    score = make_reward({"type": "reward_model", "model": args.reward_model, "normalize": True})
+    right, wrong, gaps, spread_wrong = [], [], [], []
+    for ok, bad in groups.values():
+        texts = [*ok, *bad]
+        s = score(texts, prompts=[*ok.values(), *bad.values()])
+        r, w = s[:len(ok)], s[len(ok):]
+        right += r
+        wrong += w
+        gaps.append(statistics.mean(r) - statistics.mean(w))
+        if len(w) > 1:
+            spread_wrong.append(statistics.stdev(w))
+    print(f"{args.reward_model} on {len(right)} right and {len(wrong)} wrong samples of {len(groups)} prompts "
+          f"(whitened scores)\n")
+    print("| across prompts | right | wrong |\n|---|---|---|")
+    print(f"| median | {statistics.median(right):.2f} | {statistics.median(wrong):.2f} |")
+    for t in args.thresholds:
+        print(f"| above {t:g} | {sum(x > t for x in right) / len(right):.1%} | {sum(x > t for x in wrong) / len(wrong):.1%} |")
+    print(f"\nwithin a prompt: mean right - mean wrong {statistics.mean(gaps):.2f} (negative in {sum(g < 0 for g in gaps)} "
+          f"of {len(gaps)} prompts); spread (std) of a prompt's wrong samples {statistics.mean(spread_wrong):.2f}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
