@@ -33,18 +33,19 @@ class Args:
     """whitened thresholds for the across-prompt table"""
 
 
-def main(args: Args) -> None:
-    groups = defaultdict(lambda: ({}, {}))  # ranking -> (right texts, wrong texts), each text once
+def main(args: Args) -> dict:
+    """Prints the tables -> {ranking: ({right text: whitened score}, {wrong text: whitened score})}."""
+    groups = defaultdict(lambda: ({}, {}))  # ranking -> ({right text: prompt}, {wrong text: prompt}), each text once
     for line in open(args.comparisons):
         r = json.loads(line)
         groups[r["ranking"]][0][r["chosen"]] = r["prompt"]
         groups[r["ranking"]][1][r["rejected"]] = r["prompt"]
     score = make_reward({"type": "reward_model", "model": args.reward_model, "normalize": True})
-    right, wrong, gaps, spread_wrong = [], [], [], []
-    for ok, bad in groups.values():
-        texts = [*ok, *bad]
-        s = score(texts, prompts=[*ok.values(), *bad.values()])
+    right, wrong, gaps, spread_wrong, scored = [], [], [], [], {}
+    for key, (ok, bad) in groups.items():
+        s = score([*ok, *bad], prompts=[*ok.values(), *bad.values()])
         r, w = s[:len(ok)], s[len(ok):]
+        scored[key] = (dict(zip(ok, r)), dict(zip(bad, w)))
         right += r
         wrong += w
         gaps.append(statistics.mean(r) - statistics.mean(w))
@@ -57,7 +58,9 @@ def main(args: Args) -> None:
     for t in args.thresholds:
         print(f"| above {t:g} | {sum(x > t for x in right) / len(right):.1%} | {sum(x > t for x in wrong) / len(wrong):.1%} |")
     print(f"\nwithin a prompt: mean right - mean wrong {statistics.mean(gaps):.2f} (negative in {sum(g < 0 for g in gaps)} "
-          f"of {len(gaps)} prompts); spread (std) of a prompt's wrong samples {statistics.mean(spread_wrong):.2f}")
+          f"of {len(gaps)} prompts); spread (std) of a prompt's wrong samples "
+          f"{statistics.mean(spread_wrong) if spread_wrong else float('nan'):.2f}")
+    return scored
 
 
 if __name__ == "__main__":

@@ -327,6 +327,7 @@ def test_instructgpt_pipeline_the_three_commands(tmp_path):
     for key in {p["ranking"] for p in pairs}:  # c right and 4 - c wrong samples: c (4 - c) pairs, ties dropped
         assert sum(p["ranking"] == key for p in pairs) in (3, 4)
     assert read_jsonl(run / "comparisons_test.jsonl") and "eval/comparison_accuracy" in rm_out
+    check_calibration_benchmark(run)
     spec = json.loads((run / "final" / "reward.json").read_text())
     assert spec == {"type": "reward_model", "model": str((run / "final").resolve()), "normalize": True}
     out = ppo.main(ppo.Args(model_name_or_path=policy, reward=str(run / "final" / "reward.json"),
@@ -337,6 +338,29 @@ def test_instructgpt_pipeline_the_three_commands(tmp_path):
     for r in rows:  # the learned reward alone is trained on; the gold one is a mean of correctness's 1 and -0.5
         assert math.isfinite(r["rewards/reward_model"]) and r["train/reward"] == r["rewards/reward_model"]
         assert any(r["rewards/gold"] == pytest.approx((1.5 * n - 4) / 8) for n in range(9))
+
+
+def check_calibration_benchmark(run: Path) -> None:
+    """benchmarks/rm_calibration.py on the pipeline's reward model: every distinct right and wrong text of each held-out
+    ranking scored once, and a score equal to the classifier's own on that text alone, whitened by final/config.json."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import rm_calibration
+
+    held = read_jsonl(run / "comparisons_test.jsonl")
+    scored = rm_calibration.main(rm_calibration.Args(reward_model=str(run / "final"),
+                                                     comparisons=str(run / "comparisons_test.jsonl")))
+    assert {k: (set(ok), set(bad)) for k, (ok, bad) in scored.items()} == {
+        k: ({p["chosen"] for p in held if p["ranking"] == k}, {p["rejected"] for p in held if p["ranking"] == k})
+        for k in {p["ranking"] for p in held}}
+    row = held[-1]
+    model = AutoModelForSequenceClassification.from_pretrained(run / "final").eval()
+    ids = AutoTokenizer.from_pretrained(run / "final")(row["prompt"] + row["rejected"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        raw = model(input_ids=ids).logits[0, 0].item()
+    assert scored[row["ranking"]][1][row["rejected"]] == pytest.approx(
+        (raw - model.config.reward_mean) / model.config.reward_std, abs=1e-4)
 
 
 # ----------------------------------------------------------------------------- bad input
