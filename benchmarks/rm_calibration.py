@@ -36,10 +36,16 @@ class Args:
 def main(args: Args) -> dict:
     """Prints the tables -> {ranking: ({right text: whitened score}, {wrong text: whitened score})}."""
     groups = defaultdict(lambda: ({}, {}))  # ranking -> ({right text: prompt}, {wrong text: prompt}), each text once
-    for line in open(args.comparisons):
+    for n, line in enumerate(Path(args.comparisons).read_text().splitlines(), 1):
         r = json.loads(line)
+        missing = [c for c in ("prompt", "chosen", "rejected", "ranking") if c not in r]
+        if missing:  # checked before the model loads
+            raise ValueError(f"{args.comparisons}:{n} has no column {missing}: pass the comparisons.jsonl or "
+                             f"comparisons_test.jsonl that reward_model.py --comparisons writes")
         groups[r["ranking"]][0][r["chosen"]] = r["prompt"]
         groups[r["ranking"]][1][r["rejected"]] = r["prompt"]
+    if not groups:
+        raise ValueError(f"{args.comparisons} holds no comparisons: every prompt's samples tied; sample more prompts")
     score = make_reward({"type": "reward_model", "model": args.reward_model, "normalize": True})
     right, wrong, gaps, spread_wrong, scored = [], [], [], [], {}
     for key, (ok, bad) in groups.items():

@@ -5,6 +5,7 @@ tests/test_lifecycle.py)."""
 import contextlib
 import json
 import math
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -364,6 +365,22 @@ def check_calibration_benchmark(run: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([{"prompt": "1+1=", "chosen": "a", "rejected": "b"}], "has no column ['ranking']"),
+    ([], "holds no comparisons"),
+])
+def test_calibration_benchmark_refuses_bad_comparisons_before_loading(tmp_path, rows, message):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import rm_calibration
+
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=re.escape(message)):  # the model path does not exist: nothing was loaded
+        rm_calibration.main(rm_calibration.Args(reward_model=str(tmp_path / "no-model"), comparisons=str(path)))
 
 
 def write_prefs(folder: Path, rows: list[dict]) -> Path:
