@@ -1277,8 +1277,11 @@ class Run:
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
-        if not args.resume:
-            args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        if not args.resume:  # rank 0's clock names the run: the ranks' clocks may straddle a second
+            stamp = torch.tensor([int(time.time())], device=self.device)
+            if self.ddp:
+                dist.broadcast(stamp, 0)
+            args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
         self.dir = Path(args.resume).parents[1] if args.resume else Path(args.output_dir) / args.run_name
         self.start = self.step = self.steps_done = 0
         self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False

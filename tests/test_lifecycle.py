@@ -146,6 +146,32 @@ def test_torchrun_two_processes_resume_exactly(tiny, tmp_path, script):
             assert resumed[k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
 
 
+def _name_the_run(rank: int, port: int, names):
+    """One torchrun process whose clock reads rank seconds later than rank 0's."""
+    import time
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    time.time = lambda: 1_000_000.0 + rank
+    sft = module("sft")
+    run = sft.Run(sft.Args(dataset="data", output_dir="runs"), {}, ())
+    names[rank] = run.dir.name
+    torch.distributed.destroy_process_group()
+
+
+def test_the_processes_of_a_run_share_one_run_directory_when_their_clocks_straddle_a_second():
+    """The run name's timestamp is rank 0's on every rank (CI once found two run directories for one torchrun run)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    names = mp.Manager().dict()
+    mp.spawn(_name_the_run, args=(port, names), nprocs=2)
+    assert names[0] == names[1] == "data__sft__1__1000000", dict(names)
+
+
 FSDP_SCRIPTS = SCRIPTS
 
 
