@@ -103,7 +103,7 @@ class Args:
     """the model --comparisons samples (None: --model-name-or-path, the SFT model the reward model starts from)"""
     labeler: str = "correctness"
     """rewards.make_reward spec that ranks each prompt's K completions, standing in for the human labelers; equal
-    scores are a tie, which gives no pair"""
+    scores are a tie, which gives no pair (with --tie-strength: a pair with tie: true)"""
     temperature: float = 0.7
     """--comparisons sample softmax(logits / T) (ppo.py's default T)"""
     max_completion_length: int = 40
@@ -122,6 +122,9 @@ class Args:
     # --- algorithm
     center_rewards_coef: float = 0.0
     """coefficient of (r_c + r_r)^2 added to the loss, keeping scores near 0 (0: off; TRL suggests 0.01)"""
+    tie_strength: float = 0.0
+    """nu > 0: Davidson's ties (`preference_loss`): pairs whose column `tie` is true pull their two scores together,
+    and --comparisons also writes its tied samples' pairs (tie: true) into comparisons.jsonl (0: Bradley-Terry)"""
 
     # --- optimisation
     learning_rate: float = 1e-3
@@ -168,13 +171,20 @@ class Args:
 
 
 def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: Optional[torch.Tensor] = None,
-                    center_coef: float = 0.0) -> torch.Tensor:
-    """Per-pair loss, chosen, rejected, margin: [B] -> [B] float32: -log sigmoid(r_c - r_r - m) (Eq. 1 of
-    arXiv:2203.02155; m: Eq. 2 of arXiv:2307.09288) + center_coef (r_c + r_r)^2 (centring, arXiv:2312.09244)."""
+                    center_coef: float = 0.0, tie: Optional[torch.Tensor] = None, nu: float = 0.0) -> torch.Tensor:
+    """Per-pair loss, chosen, rejected, margin, tie (bool): [B] -> [B] float32: -log sigmoid(r_c - r_r - m) (Eq. 1
+    of arXiv:2203.02155; m: Eq. 2 of arXiv:2307.09288) + center_coef (r_c + r_r)^2 (centring, arXiv:2312.09244).
+    nu > 0: Davidson (1970, Eq. 2), strengths e^r, d = r_c - r_r: P(c wins) = 1 / (1 + e^-d + nu e^(-d/2)),
+    P(tie) = nu / (e^(d/2) + e^(-d/2) + nu); a tie's loss is least at d = 0. nu = 0 is Bradley-Terry."""
     diff = chosen.float() - rejected.float()
     if margin is not None:
         diff = diff - margin.float()
     loss = -torch.nn.functional.logsigmoid(diff)
+    if nu:
+        log_nu = torch.full_like(diff, math.log(nu))
+        win = torch.logsumexp(torch.stack([torch.zeros_like(diff), -diff, log_nu - diff / 2]), 0)
+        loss = win if tie is None else torch.where(
+            tie, torch.logsumexp(torch.stack([diff / 2, -diff / 2, log_nu]), 0) - log_nu, win)
     if center_coef:
         loss = loss + center_coef * (chosen.float() + rejected.float()) ** 2
     return loss
@@ -199,9 +209,10 @@ def init_score_head(model, new_keys: set[str]) -> list[str]:
     return sorted(new_keys)
 
 
-def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: int, what: str):
-    """prompt + response, tokenised as the tokenizer does by default -> ([(chosen_ids, rejected_ids, margin)], pairs
-    dropped as too long). No text may end in the pad id: the classifier would read its score at an earlier token."""
+def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: int, what: str, ties=None):
+    """prompt + response, tokenised as the tokenizer does by default -> ([(chosen_ids, rejected_ids, margin, tie)],
+    pairs dropped as too long). No text may end in the pad id: the classifier would read its score at an earlier
+    token."""
     c_ids, r_ids = (tokenizer([p + y for p, y in zip(prompts, ys)])["input_ids"] for ys in (chosen, rejected))
     pairs, dropped = [], 0
     for i, (c, r) in enumerate(zip(c_ids, r_ids)):
@@ -214,7 +225,7 @@ def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: in
         if c[-1] == tokenizer.pad_token_id or r[-1] == tokenizer.pad_token_id:
             raise ValueError(f"{what}, row {i}: a response ends in the pad token {tokenizer.pad_token!r}, where the "
                              f"classifier would not read its score: strip it from the data")
-        pairs.append((c, r, float(margins[i]) if margins is not None else 0.0))
+        pairs.append((c, r, float(margins[i]) if margins is not None else 0.0, bool(ties and ties[i])))
     if not pairs:
         raise ValueError(f"{what}: every pair is longer than --max-length {max_length} tokens: raise --max-length")
     return pairs, dropped
@@ -227,8 +238,15 @@ def ranking_pairs(scores: list[float]) -> list[tuple[int, int]]:
             for i, j in itertools.combinations(range(len(scores)), 2) if scores[i] != scores[j]]
 
 
-def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_length: int, what: str):
-    """Pairs that come from rankings (a ranking's id and its size K on every pair) -> ([(texts, [(better, worse)],
+def tied_pairs(scores: list[float], texts: list[str]) -> list[tuple[int, int]]:
+    """The pairs `ranking_pairs` leaves out: equal scores (a tie), of different texts (the same text twice says
+    nothing), in index order."""
+    return [(i, j) for i, j in itertools.combinations(range(len(scores)), 2)
+            if scores[i] == scores[j] and texts[i] != texts[j]]
+
+
+def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_length: int, what: str, ties=None):
+    """Pairs that come from rankings (a ranking's id and its size K on every pair) -> ([(texts, [(better, worse, tie)],
     1 / C(K,2))] one per ranking: its distinct texts prompt + response tokenised once, its pairs as indices into them,
     the weight of each of its pairs in Eq. 1), pairs dropped as too long)."""
     grouped = {}
@@ -242,18 +260,19 @@ def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_len
         if k != size or len(pairs) == math.comb(k, 2):
             raise ValueError(f"{what}, row {i}: ranking {key!r} " + (f"says k={k} and k={size}" if k != size else
                              f"has more than C({k},2) = {math.comb(k, 2)} pairs") + ": fix its column `k`")
-        pairs.append(tuple(texts.setdefault(p + y, len(texts)) for y in (c, r)))
+        pairs.append((*(texts.setdefault(p + y, len(texts)) for y in (c, r)), bool(ties and ties[i])))
     rankings, dropped = [], 0
     for texts, pairs, k in grouped.values():
         ids = tokenizer(list(texts))["input_ids"]
         if any(t and t[-1] == tokenizer.pad_token_id for t in ids):
             raise ValueError(f"{what}: a response ends in the pad token {tokenizer.pad_token!r}, where the classifier "
                              f"would not read its score: strip it from the data")
-        kept = [(a, b) for a, b in pairs if len(ids[a]) <= max_length and len(ids[b]) <= max_length]
+        kept = [(a, b, tie) for a, b, tie in pairs if len(ids[a]) <= max_length and len(ids[b]) <= max_length]
         dropped += len(pairs) - len(kept)
-        used = {t: n for n, t in enumerate(sorted({t for pair in kept for t in pair}))}  # texts left in a pair
+        used = {t: n for n, t in enumerate(sorted({t for a, b, _ in kept for t in (a, b)}))}  # texts left in a pair
         if kept:
-            rankings.append(([ids[t] for t in used], [(used[a], used[b]) for a, b in kept], 1 / math.comb(k, 2)))
+            rankings.append(([ids[t] for t in used], [(used[a], used[b], tie) for a, b, tie in kept],
+                             1 / math.comb(k, 2)))
     if not rankings:
         raise ValueError(f"{what}: every pair is longer than --max-length {max_length} tokens: raise --max-length")
     return rankings, dropped
@@ -268,8 +287,8 @@ def right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 def collate_pairs(pairs, pad_id: int):
     """Pairs -> (ids [2B, T] right-padded: the B chosen then the B rejected, attention mask [2B, T], margins [B])."""
-    ids, mask = right_pad([c for c, _, _ in pairs] + [r for _, r, _ in pairs], pad_id)
-    return ids, mask, torch.tensor([m for _, _, m in pairs], dtype=torch.float32)
+    ids, mask = right_pad([p[0] for p in pairs] + [p[1] for p in pairs], pad_id)
+    return ids, mask, torch.tensor([p[2] for p in pairs], dtype=torch.float32)
 
 
 def pack_pairs(pairs, pad_id: int):
@@ -279,7 +298,7 @@ def pack_pairs(pairs, pad_id: int):
     -> (ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T],
         ends [B, 2]: the columns of the chosen and the rejected text's last token, margins [B])."""
     rows, split, shared = [], [], []
-    for c, r, _ in pairs:
+    for c, r, *_ in pairs:
         n = next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), min(len(c), len(r)))
         rows.append(c + r[n:])
         split.append(len(c))
@@ -295,7 +314,7 @@ def pack_pairs(pairs, pad_id: int):
     allowed = (key <= query) & ~hidden_chosen
     # the rejected text ends at the row's last real token, or inside the prefix when it has no tail of its own
     ends = torch.cat([split - 1, torch.where(length > split, length - 1, shared - 1)], dim=1)
-    return ids, allowed, position_ids, ends, torch.tensor([m for _, _, m in pairs], dtype=torch.float32)
+    return ids, allowed, position_ids, ends, torch.tensor([p[2] for p in pairs], dtype=torch.float32)
 
 
 class PairScorer(torch.nn.Module):
@@ -378,7 +397,7 @@ def score_sequences(model, rows: list[list[int]], pad_id: int, device, autocast,
 
 def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = False) -> dict:
     """Held-out pairs -> pair accuracy (ties count as wrong), mean margin r_c - r_r and the loss of Eq. 1."""
-    scores = score_sequences(model, [c for c, _, _ in pairs] + [r for _, r, _ in pairs], pad_id, device, autocast,
+    scores = score_sequences(model, [p[0] for p in pairs] + [p[1] for p in pairs], pad_id, device, autocast,
                              progress=progress)
     chosen, rejected = scores.split(len(pairs))
     return {"eval/pref_accuracy": float((chosen > rejected).float().mean()), "eval/margin":
@@ -412,20 +431,22 @@ def load_pairs(args, tokenizer, flag: str, with_margin: bool, limit: Optional[in
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     columns += [args.margin_column] if with_margin and args.margin_column else []
     columns += [args.ranking_column, "k"] if with_margin and args.ranking_column else []
-    ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column/--margin-column/"
-                                         "--ranking-column (and `k`)")
+    tie = ["tie"] * bool(with_margin and args.tie_strength)
+    ds = load_split(args, flag, columns + tie, "--prompt-column/--chosen-column/--rejected-column/--margin-column/"
+                                               "--ranking-column (and `k`), --tie-strength (and `tie`)")
     values, what = [list(ds[c])[:limit] for c in columns], f"split '{getattr(args, flag)}'"
+    ties = list(ds["tie"])[:limit] if tie else None
     if with_margin and args.ranking_column:
-        return tokenize_rankings(tokenizer, *values, args.max_length, what)
-    return tokenize_pairs(tokenizer, *values[:3], values[3] if len(values) > 3 else None, args.max_length, what)
+        return tokenize_rankings(tokenizer, *values, args.max_length, what, ties)
+    return tokenize_pairs(tokenizer, *values[:3], values[3] if len(values) > 3 else None, args.max_length, what, ties)
 
 
 @torch.no_grad()
-def policy_comparisons(args, tokenizer, flag: str, limit: int, device, progress: bool) -> list[dict]:
+def policy_comparisons(args, tokenizer, flag: str, limit: int, device, progress: bool, ties: bool) -> list[dict]:
     """InstructGPT's comparison data (Sec. 3.5) with a rule for the labelers: --comparisons K completions of each of
     the first `limit` prompts of the split, sampled from --policy, scored by --labeler, every pair of different
     scores with the better one as chosen (`ranking_pairs`) -> pairs rows with the columns of the split the labeler
-    needs, the prompt's index `ranking` and `k` = K."""
+    needs, the prompt's index `ranking` and `k` = K; with `ties`, also the tied pairs (`tied_pairs`), column `tie`."""
     labeler = make_reward(args.labeler)
     ds = load_split(args, flag, [args.prompt_column, *sorted(labeler.required_columns)],
                     "--prompt-column, or a --labeler that does not need them")
@@ -446,21 +467,25 @@ def policy_comparisons(args, tokenizer, flag: str, limit: int, device, progress:
             n, ys = i + j, texts[j * K : (j + 1) * K]
             values = {c: v[n] for c, v in columns.items()}
             scores = labeler(ys, prompts=[prompts[n]] * K, **{c: [v] * K for c, v in values.items()})
-            rows += [{"prompt": prompts[n], "chosen": ys[a], "rejected": ys[b], **values, "ranking": n, "k": K}
-                     for a, b in ranking_pairs(scores)]
+            pairs = [(a, b, False) for a, b in ranking_pairs(scores)] + [(a, b, True) for a, b in tied_pairs(scores, ys)
+                                                                         if ties]
+            rows += [{"prompt": prompts[n], "chosen": ys[a], "rejected": ys[b], **values, "ranking": n, "k": K,
+                      **({"tie": tie} if ties else {})} for a, b, tie in pairs]
     return rows
 
 
 def collate_rankings(rankings, pad_id: int):
     """Rankings -> (ids [N, T] right-padded: every ranking's texts, attention mask [N, T], better [P], worse [P]: each
-    pair's rows, weights [P]: 1 / C(K,2) of its ranking)."""
-    rows, better, worse, weights = [], [], [], []
+    pair's rows, weights [P]: 1 / C(K,2) of its ranking, ties [P] bool)."""
+    rows, better, worse, weights, ties = [], [], [], [], []
     for texts, pairs, weight in rankings:
-        better += [len(rows) + a for a, _ in pairs]
-        worse += [len(rows) + b for _, b in pairs]
+        better += [len(rows) + a for a, _, _ in pairs]
+        worse += [len(rows) + b for _, b, _ in pairs]
+        ties += [tie for _, _, tie in pairs]
         weights += [weight] * len(pairs)
         rows += texts
-    return (*right_pad(rows, pad_id), torch.tensor(better), torch.tensor(worse), torch.tensor(weights))
+    return (*right_pad(rows, pad_id), torch.tensor(better), torch.tensor(worse), torch.tensor(weights),
+            torch.tensor(ties, dtype=torch.bool))
 
 
 def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: int, world: int, device,
@@ -475,18 +500,18 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
         chunk, weights, margins = items[k : k + micro], None, None
         with (scorer.no_sync() if ddp and k + micro < len(items) else torch.enable_grad()), autocast:
             if rankings:
-                ids, mask, better, worse, weights = (t.to(device) for t in collate_rankings(chunk, pad_id))
+                ids, mask, better, worse, weights, ties = (t.to(device) for t in collate_rankings(chunk, pad_id))
                 scores = scorer(ids, mask, flat=True)
                 chosen, rejected = scores[better], scores[worse]
             else:
                 *tensors, margins = (pack_pairs if packed else collate_pairs)(chunk, pad_id)
                 scores = scorer(*(t.to(device) for t in tensors))
-                chosen, rejected = scores[:, 0], scores[:, 1]
+                chosen, rejected, ties = scores[:, 0], scores[:, 1], torch.tensor([p[3] for p in chunk], device=device)
             loss = preference_loss(chosen, rejected, margins.to(device) if args.margin_column else None,
-                                   args.center_rewards_coef)
+                                   args.center_rewards_coef, ties, args.tie_strength)
             loss = (loss if weights is None else loss * weights).sum() / args.batch_size
             (loss * world).backward()
-        chosen, rejected, scores = chosen.detach(), rejected.detach(), scores.detach()
+        chosen, rejected, scores = chosen.detach()[~ties], rejected.detach()[~ties], scores.detach()  # ties: no order
         sums["loss"] += loss.item()
         sums["correct"] += float((chosen > rejected).sum())
         sums["margin"] += float((chosen - rejected).sum())
@@ -508,6 +533,8 @@ def pair_problem(columns: list[str], margin_column: Optional[str]) -> Callable[[
                     f"--chosen-column/--rejected-column/--margin-column)")
         if row[columns[1]] == row[columns[2]]:
             return f"'{columns[1]}' and '{columns[2]}' are the same text, which states no preference: remove the row"
+        if "tie" in columns and not isinstance(row["tie"], bool):
+            return f"'tie' is {row['tie']!r}: it must be true (a tie) or false (chosen is better)"
         if margin_column is not None and (isinstance(row[margin_column], bool)
                                           or not isinstance(row[margin_column], (int, float))):
             return f"margin '{margin_column}' is {row[margin_column]!r}, not a number"
@@ -524,12 +551,14 @@ def comparison_data(args, run, tokenizer):
                               ("eval_split", "comparisons_test", args.eval_limit)):
         path = run.dir / f"{name}.jsonl"
         if run.rank == 0 and getattr(args, flag) and not path.exists():
-            rows = policy_comparisons(args, tokenizer, flag, limit, run.device, run.progress)
+            rows = policy_comparisons(args, tokenizer, flag, limit, run.device, run.progress,
+                                      ties=flag == "dataset_split" and args.tie_strength > 0)
             run.dir.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
             path.with_suffix(".tmp").rename(path)  # atomic: a killed run leaves no half-written file
-            run.say(f"{path}: {len(rows)} pairs from {len({r['ranking'] for r in rows})} prompts x {args.comparisons} "
-                    f"samples of {args.policy or args.model_name_or_path} (the other prompts' samples all tied)")
+            run.say(f"{path}: {sum(not r.get('tie') for r in rows)} pairs and {sum(bool(r.get('tie')) for r in rows)} "
+                    f"ties from {len({r['ranking'] for r in rows})} prompts x {args.comparisons} samples of "
+                    f"{args.policy or args.model_name_or_path}")
     run.barrier()
     data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None, prompt_column="prompt",
                         chosen_column="chosen", rejected_column="rejected", ranking_column="ranking")
@@ -547,7 +576,7 @@ def check_args(args: Args) -> int:
     check_common(args, ("total_steps", "batch_size", "max_length", "log_every", "learning_rate", "comparison_prompts",
                   "temperature", "max_completion_length"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "micro_batch_size",
-                  "center_rewards_coef"), (args.model_name_or_path, *[args.policy] * bool(args.policy)))
+                  "center_rewards_coef", "tie_strength"), (args.model_name_or_path, *[args.policy] * bool(args.policy)))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: "
@@ -561,6 +590,9 @@ def check_args(args: Args) -> int:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     extra = [c for c in (args.margin_column, args.ranking_column) if c] + ["k"] * bool(args.ranking_column)
+    extra += ["tie"] * bool(args.tie_strength)
+    if args.tie_strength and args.margin_column:
+        raise ValueError("--tie-strength with --margin-column: a tie has no margin; drop one of them")
     train_check = pair_problem(columns + extra, args.margin_column)
     if args.comparisons:
         if args.comparisons < 2 or args.margin_column or args.ranking_column:
@@ -701,8 +733,8 @@ def main(args: Args) -> dict:
                 if run.ddp:
                     dist.all_reduce(local)
                 loss_sum, correct, margin_sum, reward_sum, n_pairs, n_texts, n_tokens = local.tolist()
-                final = {"step": step, "train/loss": loss_sum, "train/accuracy": correct / n_pairs,
-                         "train/margin": margin_sum / n_pairs, "train/reward": reward_sum / n_texts,
+                final = {"step": step, "train/loss": loss_sum, "train/accuracy": correct / max(n_pairs, 1),
+                         "train/margin": margin_sum / max(n_pairs, 1), "train/reward": reward_sum / n_texts,
                          "train/grad_norm": float(grad_norm), "train/lr": lr,
                          "perf/step_s": seconds / (step - last_log), "perf/tokens_per_s": n_tokens / max(seconds, 1e-9)}
                 run.log(final)
@@ -714,7 +746,7 @@ def main(args: Args) -> dict:
     with run.whole():  # --fsdp: rank 0 scores with whole weights
         if rank == 0 and not run.stop:
             merged = copy.deepcopy(model).merge_and_unload() if args.lora_r else model
-            texts = [t for texts, _, _ in pairs for t in texts] if rankings else [c for c, _, _ in pairs]
+            texts = [t for texts, _, _ in pairs for t in texts] if rankings else [p[0] for p in pairs if not p[3]]
             chosen = score_sequences(merged, texts, pad_id, device, autocast, progress=run.progress)
             stats = {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
             final.update({f"final/{k}": v for k, v in stats.items()})

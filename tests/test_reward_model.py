@@ -3,6 +3,7 @@ whatever the padding side, packed pairs, runs, learning on the embedded task, th
 (transformers and the `reward_model` reward of rewards.py, whitened), its own bad input (the shared run plumbing:
 tests/test_lifecycle.py)."""
 import contextlib
+import itertools
 import json
 import math
 import re
@@ -76,8 +77,9 @@ def test_ranking_to_pairs_and_its_weights_hand_computed():
     assert dropped == 2 and len(rankings) == 2
     (texts_a, pairs_a, w_a), (texts_b, pairs_b, w_b) = rankings
     assert texts_a == [tok("1+0=" + y)["input_ids"] for y in ys[:3]]  # y0, y1, y2: each text once
-    assert pairs_a == [(0, 1), (2, 1)] and w_a == pytest.approx(1 / 6)  # 1 / C(4, 2)
-    assert texts_b == [tok("2+2=4")["input_ids"], tok("2+2=5")["input_ids"]] and pairs_b == [(0, 1)] and w_b == 1.0
+    assert pairs_a == [(0, 1, False), (2, 1, False)] and w_a == pytest.approx(1 / 6)  # 1 / C(4, 2); no tie
+    assert texts_b == [tok("2+2=4")["input_ids"], tok("2+2=5")["input_ids"]] and pairs_b == [(0, 1, False)]
+    assert w_b == 1.0
     # the step's loss: each ranking's pairs weighted 1 / C(K,2), summed, over the batch of 2 rankings (Eq. 1);
     # a stand-in scorer reads each text's score off a table at its last token: y0 2.0, y1 0.0, y2 1.0; b: 0.5, 1.5
     table = torch.nn.Parameter(torch.zeros(tok.vocab_size))
@@ -101,6 +103,67 @@ def test_ranking_to_pairs_and_its_weights_hand_computed():
     expected = ((0.1269280 + 0.3132617) / 6 + 1.3132617) / 2
     assert sums["loss"] == pytest.approx(expected, abs=1e-6)
     assert (sums["pairs"], sums["correct"], sums["texts"]) == (3, 2, 5)
+
+
+def test_davidson_ties_hand_computed():
+    """Davidson (1970) in strengths e^r, computed by hand (float64 probabilities, then -log): nu = 1, r = (2, 1):
+    P(win) = e^2 / (e^2 + e + e^1.5), P(tie) = e^1.5 / (the same); nu = 0 is Bradley-Terry; in a step, a tie's loss
+    counts and its pair does not count towards the accuracy."""
+    chosen, rejected = torch.tensor([2.0, 0.5, -1.0, 2.0]), torch.tensor([1.0, 1.5, -1.0, 1.0])
+    tie = torch.tensor([False, False, False, True])
+    assert rm.preference_loss(chosen, rejected, tie=tie, nu=1.0).tolist() == pytest.approx(
+        [0.6802697, 1.6802697, 1.0986123, 1.1802697], abs=1e-6)  # the tie at d = 1 costs -log(e^1.5 / 11.0)
+    assert rm.preference_loss(chosen, rejected, tie=tie, nu=0.5).tolist()[::3] == pytest.approx(
+        [0.5135089, 1.7066561], abs=1e-6)
+    assert rm.preference_loss(chosen, rejected, tie=tie, nu=0.0).tolist() == pytest.approx(
+        rm.preference_loss(chosen, rejected).tolist())  # nu = 0: no tie term, Bradley-Terry
+    # gradients w.r.t. r_c at d = 1: a win -(e^-1 + e^-0.5 / 2) / (1 + e^-1 + e^-0.5), a tie sinh(1/2) / (2 cosh(1/2) + 1)
+    c = chosen.clone().requires_grad_()
+    rm.preference_loss(c, rejected, tie=tie, nu=1.0)[[0, 3]].sum().backward()
+    assert c.grad[[0, 3]].tolist() == pytest.approx([-0.3399217, 0.1600783], abs=1e-6)  # the tie pulls d back to 0
+    assert rm.tied_pairs([1.0, -0.5, 1.0, -0.5, 2.0], ["a", "b", "c", "b", "d"]) == [(0, 2)]  # 1, 3: the same text
+    # one step on two pairs, a preference (d = 1) and a tie (d = 1), through collate_pairs and a stand-in scorer
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny-arith")
+    texts = [tok(x)["input_ids"] for x in ("1+1=2", "1+1=3", "2+2=4", "2+2=5")]
+    table = torch.nn.Parameter(torch.zeros(tok.vocab_size))
+    with torch.no_grad():
+        table[[t[-1] for t in texts]] = torch.tensor([2.0, 1.0, 2.0, 1.0])
+
+    class Scorer(torch.nn.Module):
+        packed = False
+
+        def forward(self, ids, mask):
+            return table[ids.gather(1, (mask.sum(1, keepdim=True) - 1))[:, 0]].view(2, -1).T
+
+    pairs = [(texts[0], texts[1], 0.0, False), (texts[2], texts[3], 0.0, True)]
+    sums, _ = rm.preference_update(Scorer(), torch.optim.SGD([table], lr=0.0), pairs, 2, rm.Args(batch_size=2,
+                                   tie_strength=1.0), 0, 1, "cpu", contextlib.nullcontext())
+    assert sums["loss"] == pytest.approx((0.6802697 + 1.1802697) / 2, abs=1e-6)
+    assert (sums["pairs"], sums["correct"], sums["texts"]) == (1, 1, 4)
+
+
+def test_comparisons_with_ties_write_and_train_them(tmp_path):
+    """--comparisons 4 --tie-strength 1 from models/tiny-arith: every pair of different texts of a prompt is a row,
+    a right over a wrong answer (tie false) or two answers both right or both wrong (tie true); the held-out file has
+    no ties; the file then trains as independent pairs with its ties (the two-step recipe of the docs)."""
+    out = rm.main(rm.Args(comparisons=4, comparison_prompts=24, dataset_split="train", tie_strength=1.0,
+                          output_dir=str(tmp_path / "rm"), total_steps=2, batch_size=4, eval_limit=8, eval_every=0,
+                          warmup_steps=0))
+    run = Path(out["run_dir"])
+    rows = read_jsonl(run / "comparisons.jsonl")
+    assert {r["tie"] for r in rows} == {False, True}
+    assert all("tie" not in r for r in read_jsonl(run / "comparisons_test.jsonl"))
+    for r in rows:
+        right = [rm.answer_matches(r[c], r["answer"]) for c in ("chosen", "rejected")]
+        assert r["chosen"] != r["rejected"] and (right[0] == right[1] if r["tie"] else right == [True, False])
+    for key in {r["ranking"] for r in rows}:  # at most C(4, 2) pairs, every two different texts among them
+        mine = [{r["chosen"], r["rejected"]} for r in rows if r["ranking"] == key]
+        texts = set().union(*mine)
+        assert len(mine) <= 6 and {frozenset(m) for m in mine} == {frozenset(p) for p in itertools.combinations(texts, 2)}
+    again = rm.main(rm.Args(dataset=str(run), dataset_split="comparisons", eval_split="comparisons_test",
+                            tie_strength=1.0, output_dir=str(tmp_path / "pairs"), total_steps=2, batch_size=8,
+                            eval_limit=8, eval_every=0, warmup_steps=0, log_every=1))
+    assert all(math.isfinite(r["train/loss"]) for r in train_rows(again["run_dir"]))
 
 
 def tiny_classifier(tiny, arch: str):
@@ -401,6 +464,8 @@ GOOD = {"prompt": "1+1=", "chosen": "<answer>2</answer>", "rejected": "<answer>3
     ([GOOD], {"ranking_column": "ranking"}, r"line 1: has no column \['ranking', 'k'\]"),
     ([GOOD], {"comparisons": 4}, r"line 1: has no column \['answer'\] that --comparisons needs"),
     ([{**GOOD, "ranking": 0, "k": 1}], {"ranking_column": "ranking"}, r"row 0: ranking size k=1"),
+    ([GOOD], {"tie_strength": 1.0}, r"line 1: has no column \['tie'\]"),
+    ([{**GOOD, "tie": "yes"}], {"tie_strength": 1.0}, r"line 1: 'tie' is 'yes': it must be true \(a tie\) or false"),
     ([{**GOOD, "ranking": 0, "k": 2}, {**GOOD, "chosen": "2", "ranking": 0, "k": 2}], {"ranking_column": "ranking"},
      r"row 1: ranking 0 has more than C\(2,2\) = 1 pairs"),
 ])
@@ -429,6 +494,8 @@ def test_comparisons_check_the_eval_split_for_the_labelers_columns_first(tiny, t
     ({"comparisons": 4, "labeler": "correctnes"}, "unknown reward type 'correctnes'"),
     ({"comparisons": 4, "policy": "no/such/model"}, "model 'no/such/model' does not exist"),
     ({"ranking_column": "ranking", "margin_column": "margin"}, "a ranking's pairs carry no margin"),
+    ({"tie_strength": -1.0}, "--tie-strength must be >= 0"),
+    ({"tie_strength": 1.0, "margin_column": "margin"}, "--tie-strength with --margin-column: a tie has no margin"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
     with pytest.raises(ValueError) as e:
