@@ -7,15 +7,11 @@ with Llama 2's margin m (arXiv:2307.09288, Eq. 2; `--margin-column`, else 0) and
 `--center-rewards-coef`). The mean and std of the scores of the training pairs' chosen texts go into
 final/config.json (`reward_mean`, `reward_std`) for whitened rewards in ppo.py (the reward's `"normalize": true`).
 
-Run:
+With `--tie-strength` nu > 0, pairs marked as ties train Davidson's (1970) tie term, which pulls their scores together.
+
+Run (more, and InstructGPT's whole pipeline: docs/reward_model.md):
     python reward_model.py                                        # embedded: models/tiny-arith on data/arith prefs
-    python reward_model.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/hub-prefs --dataset-split train \
-        --eval-split test --max-length 1024 --micro-batch-size 4 --learning-rate 1e-5 --lora-r 16
     torchrun --nproc-per-node 2 reward_model.py                  # data parallel (gloo on CPU, nccl on GPU)
-    # InstructGPT's pipeline: SFT -> reward model from the SFT model's own samples, ranked -> PPO scored by it
-    python sft.py --final-dir runs/sft && python reward_model.py --model-name-or-path runs/sft --comparisons 8 \
-        --dataset-split train
-    python ppo.py --model-name-or-path runs/sft --reward runs/<rm-run>/final/reward.json --gold-reward correctness
 
 Deviations (why, and the measurements: docs/reward_model.md):
 - The new score head is initialised N(0, 1/(H+1)) as in lm-human-preferences (arXiv:2403.17031), not HF's std 0.02.
@@ -426,14 +422,17 @@ class PairOrder:
 
 
 def load_pairs(args, tokenizer, flag: str, with_margin: bool, limit: Optional[int] = None):
-    """A split's first `limit` pairs, tokenised -> ([(chosen_ids, rejected_ids, margin)], pairs dropped as too long);
-    of the training split with --ranking-column, its rankings (`tokenize_rankings`)."""
+    """A split's first `limit` pairs, tokenised -> ([(chosen_ids, rejected_ids, margin, tie)], pairs dropped as too
+    long); of the training split with --ranking-column, its rankings (`tokenize_rankings`). Rows of a column `tie`
+    that is true are left out unless --tie-strength trains them."""
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     columns += [args.margin_column] if with_margin and args.margin_column else []
     columns += [args.ranking_column, "k"] if with_margin and args.ranking_column else []
     tie = ["tie"] * bool(with_margin and args.tie_strength)
     ds = load_split(args, flag, columns + tie, "--prompt-column/--chosen-column/--rejected-column/--margin-column/"
                                                "--ranking-column (and `k`), --tie-strength (and `tie`)")
+    if "tie" in ds.column_names and not tie:  # Bradley-Terry (and held-out accuracy): a tie states no preference
+        ds = ds.filter(lambda row: not row["tie"])
     values, what = [list(ds[c])[:limit] for c in columns], f"split '{getattr(args, flag)}'"
     ties = list(ds["tie"])[:limit] if tie else None
     if with_margin and args.ranking_column:

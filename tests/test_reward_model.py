@@ -142,10 +142,11 @@ def test_davidson_ties_hand_computed():
     assert (sums["pairs"], sums["correct"], sums["texts"]) == (1, 1, 4)
 
 
-def test_comparisons_with_ties_write_and_train_them(tmp_path):
+def test_comparisons_with_ties_write_and_train_them(tmp_path, capsys):
     """--comparisons 4 --tie-strength 1 from models/tiny-arith: every pair of different texts of a prompt is a row,
     a right over a wrong answer (tie false) or two answers both right or both wrong (tie true); the held-out file has
-    no ties; the file then trains as independent pairs with its ties (the two-step recipe of the docs)."""
+    no ties; the file then trains as independent pairs with its ties (the recipe of the docs), and without
+    --tie-strength as Bradley-Terry pairs, its ties left out."""
     out = rm.main(rm.Args(comparisons=4, comparison_prompts=24, dataset_split="train", tie_strength=1.0,
                           output_dir=str(tmp_path / "rm"), total_steps=2, batch_size=4, eval_limit=8, eval_every=0,
                           warmup_steps=0))
@@ -164,6 +165,10 @@ def test_comparisons_with_ties_write_and_train_them(tmp_path):
                             tie_strength=1.0, output_dir=str(tmp_path / "pairs"), total_steps=2, batch_size=8,
                             eval_limit=8, eval_every=0, warmup_steps=0, log_every=1))
     assert all(math.isfinite(r["train/loss"]) for r in train_rows(again["run_dir"]))
+    capsys.readouterr()
+    rm.main(rm.Args(dataset=str(run), dataset_split="comparisons", eval_split=None, total_steps=1,
+                    output_dir=str(tmp_path / "bt"), batch_size=4, warmup_steps=0))  # Bradley-Terry: the ties left out
+    assert f" {sum(not r['tie'] for r in rows)} training pairs," in capsys.readouterr().out
 
 
 def tiny_classifier(tiny, arch: str):
