@@ -42,6 +42,8 @@ def main(args: Args) -> dict:
         if missing:  # checked before the model loads
             raise ValueError(f"{args.comparisons}:{n} has no column {missing}: pass the comparisons.jsonl or "
                              f"comparisons_test.jsonl that reward_model.py --comparisons writes")
+        if r.get("tie"):  # --tie-strength's tied pairs: both right or both wrong, no verdict to read
+            continue
         groups[r["ranking"]][0][r["chosen"]] = r["prompt"]
         groups[r["ranking"]][1][r["rejected"]] = r["prompt"]
     if not groups:

@@ -161,6 +161,18 @@ def test_comparisons_with_ties_write_and_train_them(tmp_path, capsys):
         mine = [{r["chosen"], r["rejected"]} for r in rows if r["ranking"] == key]
         texts = set().union(*mine)
         assert len(mine) <= 6 and {frozenset(m) for m in mine} == {frozenset(p) for p in itertools.combinations(texts, 2)}
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import rm_calibration  # reads a file with ties: their texts are neither right nor wrong to it
+
+    scored = rm_calibration.main(rm_calibration.Args(reward_model=str(run / "final"),
+                                                     comparisons=str(run / "comparisons.jsonl")))
+    preferences = [r for r in rows if not r["tie"]]
+    assert {k: (set(ok), set(bad)) for k, (ok, bad) in scored.items()} == {
+        k: ({r["chosen"] for r in preferences if r["ranking"] == k}, {r["rejected"] for r in preferences
+                                                                     if r["ranking"] == k})
+        for k in {r["ranking"] for r in preferences}}
     again = rm.main(rm.Args(dataset=str(run), dataset_split="comparisons", eval_split="comparisons_test",
                             tie_strength=1.0, output_dir=str(tmp_path / "pairs"), total_steps=2, batch_size=8,
                             eval_limit=8, eval_every=0, warmup_steps=0, log_every=1))
