@@ -170,8 +170,9 @@ def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: Option
                     center_coef: float = 0.0, tie: Optional[torch.Tensor] = None, nu: float = 0.0) -> torch.Tensor:
     """Per-pair loss, chosen, rejected, margin, tie (bool): [B] -> [B] float32: -log sigmoid(r_c - r_r - m) (Eq. 1
     of arXiv:2203.02155; m: Eq. 2 of arXiv:2307.09288) + center_coef (r_c + r_r)^2 (centring, arXiv:2312.09244).
-    nu > 0: Davidson (1970, Eq. 2), strengths e^r, d = r_c - r_r: P(c wins) = 1 / (1 + e^-d + nu e^(-d/2)),
-    P(tie) = nu / (e^(d/2) + e^(-d/2) + nu); a tie's loss is least at d = 0. nu = 0 is Bradley-Terry."""
+    nu > 0: Davidson (1970; restated in arXiv:1909.07123 Sec. 1.1), strengths e^r, d = r_c - r_r:
+    P(c wins) = 1 / (1 + e^-d + nu e^(-d/2)), P(tie) = nu / (e^(d/2) + e^(-d/2) + nu); a tie's loss is least at
+    d = 0. nu = 0 is Bradley-Terry."""
     diff = chosen.float() - rejected.float()
     if margin is not None:
         diff = diff - margin.float()
@@ -435,6 +436,9 @@ def load_pairs(args, tokenizer, flag: str, with_margin: bool, limit: Optional[in
         ds = ds.filter(lambda row: not row["tie"])
     values, what = [list(ds[c])[:limit] for c in columns], f"split '{getattr(args, flag)}'"
     ties = list(ds["tie"])[:limit] if tie else None
+    if ties and all(ties):
+        raise ValueError(f"{what}: every row is a tie (column `tie` true), which orders nothing: the reward model "
+                         f"needs preferences too (rows with tie false)")
     if with_margin and args.ranking_column:
         return tokenize_rankings(tokenizer, *values, args.max_length, what, ties)
     return tokenize_pairs(tokenizer, *values[:3], values[3] if len(values) > 3 else None, args.max_length, what, ties)

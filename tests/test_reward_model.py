@@ -482,6 +482,7 @@ GOOD = {"prompt": "1+1=", "chosen": "<answer>2</answer>", "rejected": "<answer>3
     ([GOOD], {"comparisons": 4}, r"line 1: has no column \['answer'\] that --comparisons needs"),
     ([{**GOOD, "ranking": 0, "k": 1}], {"ranking_column": "ranking"}, r"row 0: ranking size k=1"),
     ([GOOD], {"tie_strength": 1.0}, r"line 1: has no column \['tie'\]"),
+    ([{**GOOD, "tie": True}], {"tie_strength": 1.0}, r"every row is a tie \(column `tie` true\), which orders nothing"),
     ([{**GOOD, "tie": "yes"}], {"tie_strength": 1.0}, r"line 1: 'tie' is 'yes': it must be true \(a tie\) or false"),
     ([{**GOOD, "ranking": 0, "k": 2}, {**GOOD, "chosen": "2", "ranking": 0, "k": 2}], {"ranking_column": "ranking"},
      r"row 1: ranking 0 has more than C\(2,2\) = 1 pairs"),
