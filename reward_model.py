@@ -93,6 +93,9 @@ class Args:
     """K >= 2: make the pairs instead of reading them (Sec. 3.5): K completions of each of the first
     --comparison-prompts prompts of --dataset-split, sampled from --policy and ranked by --labeler; every pair of
     different rank goes to <run>/comparisons.jsonl, a ranking per prompt (--ranking-column ranking)"""
+    comparison_rankings: bool = True
+    """train --comparisons as rankings (Eq. 1); --no-comparison-rankings: as independent pairs, one a batch element,
+    which learned more per step here (docs/reward_model.md)"""
     comparison_prompts: int = 2000
     """prompts of --dataset-split to sample --comparisons for"""
     policy: Optional[str] = None
@@ -121,6 +124,9 @@ class Args:
     tie_strength: float = 0.0
     """nu > 0: Davidson's ties (`preference_loss`): pairs whose column `tie` is true pull their two scores together,
     and --comparisons also writes its tied samples' pairs (tie: true) into comparisons.jsonl (0: Bradley-Terry)"""
+    tie_start_step: int = 0
+    """the ties train after this step, the preferences alone before it: from the first step the ties hold every score
+    together before the preferences have ordered anything (docs/reward_model.md)"""
 
     # --- optimisation
     learning_rate: float = 1e-3
@@ -492,10 +498,11 @@ def collate_rankings(rankings, pad_id: int):
 
 
 def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: int, world: int, device,
-                      autocast, rankings: bool = False) -> tuple[dict, torch.Tensor]:
+                      autocast, rankings: bool = False, nu: float = 0.0) -> tuple[dict, torch.Tensor]:
     """One optimiser step on this process's pairs (or rankings), `micro` at a time: the loss of Eq. 1 is the mean over
     the global batch, so each micro-batch adds its sum / --batch-size (DDP averages, hence x world). A ranking's texts
-    are scored once and each of its pairs weighs 1 / C(K,2) (Eq. 1: the C(K,2) comparisons are one batch element)."""
+    are scored once and each of its pairs weighs 1 / C(K,2) (Eq. 1: the C(K,2) comparisons are one batch element).
+    nu: Davidson's tie strength; at 0 a tie (a ranking's, or one before --tie-start-step) adds no loss."""
     ddp = isinstance(scorer, torch.nn.parallel.DistributedDataParallel)
     packed = (scorer.module if ddp else scorer).packed
     sums = dict.fromkeys(("loss", "correct", "margin", "reward", "pairs", "texts"), 0.0)
@@ -511,7 +518,7 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
                 scores = scorer(*(t.to(device) for t in tensors))
                 chosen, rejected, ties = scores[:, 0], scores[:, 1], torch.tensor([p[3] for p in chunk], device=device)
             loss = preference_loss(chosen, rejected, margins.to(device) if args.margin_column else None,
-                                   args.center_rewards_coef, ties, args.tie_strength)
+                                   args.center_rewards_coef, ties, nu).masked_fill(ties & (nu == 0), 0.0)
             loss = (loss if weights is None else loss * weights).sum() / args.batch_size
             (loss * world).backward()
         chosen, rejected, scores = chosen.detach()[~ties], rejected.detach()[~ties], scores.detach()  # ties: no order
@@ -564,7 +571,8 @@ def comparison_data(args, run, tokenizer):
                     f"{args.policy or args.model_name_or_path}")
     run.barrier()
     data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None, prompt_column="prompt",
-                        chosen_column="chosen", rejected_column="rejected", ranking_column="ranking")
+                        chosen_column="chosen", rejected_column="rejected",
+                        ranking_column="ranking" if args.comparison_rankings else None)
     held_out = load_pairs(replace(data_args, eval_split="comparisons_test"), tokenizer, "eval_split", False)[0] \
         if args.eval_split else []
     return data_args, held_out
@@ -579,7 +587,7 @@ def check_args(args: Args) -> int:
     check_common(args, ("total_steps", "batch_size", "max_length", "log_every", "learning_rate", "comparison_prompts",
                   "temperature", "max_completion_length"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "micro_batch_size",
-                  "center_rewards_coef", "tie_strength"), (args.model_name_or_path, *[args.policy] * bool(args.policy)))
+                  "center_rewards_coef", "tie_strength", "tie_start_step"), (args.model_name_or_path, *[args.policy] * bool(args.policy)))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: "
@@ -596,6 +604,9 @@ def check_args(args: Args) -> int:
     extra += ["tie"] * bool(args.tie_strength)
     if args.tie_strength and args.margin_column:
         raise ValueError("--tie-strength with --margin-column: a tie has no margin; drop one of them")
+    if args.tie_start_step and not (args.tie_strength and args.tie_start_step < args.total_steps):
+        raise ValueError(f"--tie-start-step {args.tie_start_step}: the ties would never train; it needs --tie-strength "
+                         f"> 0 and a step before --total-steps {args.total_steps}")
     train_check = pair_problem(columns + extra, args.margin_column)
     if args.comparisons:
         if args.comparisons < 2 or args.margin_column or args.ranking_column:
@@ -607,6 +618,9 @@ def check_args(args: Args) -> int:
                                    f"prompt, and what --labeler reads); its columns: {sorted(row)}"
                                    if any(c not in row for c in needed) else None)
         eval_check = lambda row: pair_problem(columns, None)(row) or train_check(row)  # its prompts are sampled too
+    elif not args.comparison_rankings:
+        raise ValueError("--no-comparison-rankings: there are no --comparisons to train as pairs (a pairs file is "
+                         "trained as pairs unless --ranking-column is set)")
     elif args.ranking_column and args.margin_column:
         raise ValueError("--ranking-column with --margin-column: a ranking's pairs carry no margin; drop one of them")
     check_data(args, {"dataset_split": train_check, "eval_split": eval_check if args.comparisons else
@@ -674,6 +688,8 @@ def main(args: Args) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     order = PairOrder(len(pairs), args.seed)
+    prefs = [i for i, p in enumerate(pairs) if rankings or not p[3]]  # until --tie-start-step (a ranking: masked)
+    pref_order = PairOrder(len(prefs), args.seed)
     if args.resume:
         if run.fsdp:
             run.load_sharded(args.resume)
@@ -690,6 +706,7 @@ def main(args: Args) -> dict:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         order.load(state)
+        pref_order.load(state["pref_order"])
         lr_anchor = state["lr_anchor"]
         if "total_steps" in overrides:  # the decay continues from where it is to the new last step
             lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
@@ -704,7 +721,8 @@ def main(args: Args) -> dict:
 
     def save() -> Path:
         return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler":
-                                                     scheduler.state_dict(), "lr_anchor": lr_anchor, **order.state()},
+                                                     scheduler.state_dict(), "lr_anchor": lr_anchor, **order.state(),
+                                                     "pref_order": pref_order.state()},
                               per_rank={})
 
     # 4. Train.
@@ -718,12 +736,15 @@ def main(args: Args) -> dict:
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
-            # 4a. The next global batch of pairs in epoch order; every process draws the same and keeps its share.
-            mine = [pairs[i] for i in order.draw(args.batch_size)][rank * share : (rank + 1) * share]
+            # 4a. The next global batch of pairs in epoch order (up to --tie-start-step, of the preferences alone);
+            #     every process draws the same and keeps its share.
+            ties = step > args.tie_start_step
+            drawn = order.draw(args.batch_size) if ties else [prefs[i] for i in pref_order.draw(args.batch_size)]
+            mine = [pairs[i] for i in drawn][rank * share : (rank + 1) * share]
             # 4b. Score chosen and rejected in one pass (one row per pair with --pack-pairs) and take a step on the
             #     Bradley-Terry loss (Eq. 1), its mean over the global batch.
             sums, grad_norm = preference_update(scorer, optimizer, mine, micro, args, pad_id, world, device, autocast,
-                                                rankings)
+                                                rankings, args.tie_strength * ties)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
             scheduler.step()
             tokens += sum(sum(map(len, x[0])) if rankings else len(x[0]) + len(x[1]) for x in mine)  # the texts' tokens

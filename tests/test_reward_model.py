@@ -136,10 +136,31 @@ def test_davidson_ties_hand_computed():
             return table[ids.gather(1, (mask.sum(1, keepdim=True) - 1))[:, 0]].view(2, -1).T
 
     pairs = [(texts[0], texts[1], 0.0, False), (texts[2], texts[3], 0.0, True)]
-    sums, _ = rm.preference_update(Scorer(), torch.optim.SGD([table], lr=0.0), pairs, 2, rm.Args(batch_size=2,
-                                   tie_strength=1.0), 0, 1, "cpu", contextlib.nullcontext())
-    assert sums["loss"] == pytest.approx((0.6802697 + 1.1802697) / 2, abs=1e-6)
-    assert (sums["pairs"], sums["correct"], sums["texts"]) == (1, 1, 4)
+    for nu, loss in ((1.0, (0.6802697 + 1.1802697) / 2), (0.0, 0.3132617 / 2)):  # nu = 0: the tie adds nothing
+        sums, _ = rm.preference_update(Scorer(), torch.optim.SGD([table], lr=0.0), pairs, 2, rm.Args(batch_size=2,
+                                       tie_strength=1.0), 0, 1, "cpu", contextlib.nullcontext(), nu=nu)
+        assert sums["loss"] == pytest.approx(loss, abs=1e-6)  # log(1 + e^-1) = 0.3132617
+        assert (sums["pairs"], sums["correct"], sums["texts"]) == (1, 1, 4)
+
+
+@pytest.mark.parametrize("rankings", [False, True])
+def test_ties_train_only_after_the_tie_start_step(tmp_path, monkeypatch, capsys, rankings):
+    """--comparisons --tie-strength 1 --tie-start-step 2: steps 1-2 are Bradley-Terry (nu = 0; as independent pairs
+    with --no-comparison-rankings, no tie is even drawn), steps 3-4 train the ties (nu = 1, ties in the batches)."""
+    seen, update = [], rm.preference_update
+
+    def spy(scorer, optimizer, items, *rest):
+        flags = [t for _, pairs, _ in items for _, _, t in pairs] if rankings else [p[3] for p in items]
+        seen.append((sum(flags), rest[-1], rest[-2]))  # (ties drawn, nu, rankings)
+        return update(scorer, optimizer, items, *rest)
+
+    monkeypatch.setattr(rm, "preference_update", spy)
+    rm.main(rm.Args(comparisons=4, comparison_prompts=24, dataset_split="train", tie_strength=1.0, tie_start_step=2,
+                    comparison_rankings=rankings, output_dir=str(tmp_path), total_steps=4, batch_size=8, eval_limit=8,
+                    eval_every=0, warmup_steps=0))
+    assert f" training {'rankings' if rankings else 'pairs'}," in capsys.readouterr().out
+    assert [nu for _, nu, _ in seen] == [0.0, 0.0, 1.0, 1.0] and {r for _, _, r in seen} == {rankings}
+    assert all(n == 0 for n, _, _ in seen[:2]) != rankings and all(n > 0 for n, _, _ in seen[2:])
 
 
 def test_comparisons_with_ties_write_and_train_them(tmp_path, capsys):
@@ -514,6 +535,10 @@ def test_comparisons_check_the_eval_split_for_the_labelers_columns_first(tiny, t
     ({"ranking_column": "ranking", "margin_column": "margin"}, "a ranking's pairs carry no margin"),
     ({"tie_strength": -1.0}, "--tie-strength must be >= 0"),
     ({"tie_strength": 1.0, "margin_column": "margin"}, "--tie-strength with --margin-column: a tie has no margin"),
+    ({"tie_start_step": 5}, "--tie-start-step 5: the ties would never train; it needs --tie-strength > 0"),
+    ({"tie_start_step": 2, "tie_strength": 1.0, "total_steps": 2}, "a step before --total-steps 2"),
+    ({"tie_start_step": -1}, "--tie-start-step must be >= 0"),
+    ({"comparison_rankings": False}, "--no-comparison-rankings: there are no --comparisons to train as pairs"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
     with pytest.raises(ValueError) as e:
