@@ -38,12 +38,17 @@ GOLD = '{"type": "correctness", "wrong": 0}'  # 1 for a correct answer, else 0: 
 REWARD_MODELS = {  # name: reward_model.py flags
     "offline": [],  # 4,000 offline pairs of one slip each (data/arith/prefs.jsonl)
     "comparisons": ["--comparisons", "8", "--dataset-split", "train"],  # 2,000 prompts x 8 samples of the SFT model
+    "ties": ["--comparisons", "8", "--comparison-prompts", "6000", "--dataset-split", "train", "--no-comparison-rankings",
+             "--tie-strength", "1", "--tie-start-step", "1000", "--total-steps", "1500", "--learning-rate", "1e-3",
+             "--warmup-steps", "50", "--eval-every", "500"],  # Bradley-Terry, then the ties too (docs/reward_model.md)
 }
+CENTRED = ["--num-generations", "4", "--prompts-per-step", "64", "--center-scores-per-prompt", "--num-ppo-epochs", "1"]
 VERDICT = [{"type": "clip", "min": -1.0, "max": 0.0}]  # the whitened score clipped: right ~ 0, wrong below
-RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py)
-    "synthetic": ("offline", []),
-    "onpolicy": ("comparisons", []),
-    "onpolicy_clip": ("comparisons", VERDICT),
+RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py, ppo.py flags)
+    "synthetic": ("offline", [], []),
+    "onpolicy": ("comparisons", [], []),
+    "onpolicy_clip": ("comparisons", VERDICT, []),
+    "ties": ("ties", [], CENTRED),  # the pipeline of docs/reward_model.md
 }
 
 
@@ -114,7 +119,7 @@ def main(args: Args) -> None:
     results = {}
     for recipe in args.recipes:
         for seed in args.seeds:
-            reward_model, postprocess = RECIPES[recipe]
+            reward_model, postprocess, ppo_flags = RECIPES[recipe]
             rm_name, ppo_name = f"rm_{reward_model}_{seed}", f"ppo_{recipe}_{seed}"
             if args.summarize_only and not (finished(root, rm_name) and finished(root, ppo_name)):
                 continue
@@ -123,7 +128,7 @@ def main(args: Args) -> None:
             spec = {**json.loads((rm / "final" / "reward.json").read_text()), "postprocess": postprocess}
             (root / f"{recipe}_{seed}.json").write_text(json.dumps(spec))
             ppo = stage(root, ppo_name, ["ppo.py", "--seed", str(seed), "--reward", str(root / f"{recipe}_{seed}.json"),
-                                         "--gold-reward", GOLD, *shlex.split(args.ppo_flags)], args.threads)
+                                         "--gold-reward", GOLD, *ppo_flags, *shlex.split(args.ppo_flags)], args.threads)
             results[recipe, seed] = summary(rm, ppo)
     for label, folder in (run.rsplit("=", 1) for run in args.runs):
         results[label, 1] = summary(None, Path(folder))

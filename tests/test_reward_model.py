@@ -408,9 +408,10 @@ def test_learning_on_the_embedded_task(tmp_path):
 
 def test_instructgpt_pipeline_the_three_commands(tmp_path):
     """docs/reward_model.md's three commands at a tiny budget, on the embedded task: sft.py; reward_model.py
-    --comparisons (the SFT model's samples, ranked by correctness: every pair has a right chosen and a wrong rejected
-    answer, and all the pairs of a prompt are one ranking); ppo.py --reward <rm>/final/reward.json --gold-reward:
-    PPO's reward is the reward model's alone, the rule reward is logged beside it."""
+    --comparisons (the SFT model's samples, ranked by correctness: a preference has a right chosen and a wrong rejected
+    answer, a tie two of one kind) trained as pairs, Bradley-Terry then the ties; ppo.py --reward
+    <rm>/final/reward.json --gold-reward, its score centred per prompt: PPO's reward is the reward model's alone, the
+    rule reward is logged beside it."""
     import ppo
     import sft
 
@@ -418,27 +419,29 @@ def test_instructgpt_pipeline_the_three_commands(tmp_path):
                                 warmup_steps=0))
     policy = str(Path(sft_out["run_dir"]) / "final")
     rm_out = rm.main(rm.Args(model_name_or_path=policy, comparisons=4, comparison_prompts=24, dataset_split="train",
-                             output_dir=str(tmp_path / "rm"), total_steps=3, batch_size=4, eval_limit=16, eval_every=0,
-                             warmup_steps=0))
+                             comparison_rankings=False, tie_strength=1.0, tie_start_step=2, output_dir=str(tmp_path / "rm"),
+                             total_steps=3, batch_size=4, eval_limit=16, eval_every=0, warmup_steps=0))
     run = Path(rm_out["run_dir"])
     pairs, train = read_jsonl(run / "comparisons.jsonl"), read_jsonl(ROOT / "data/arith/train.jsonl")[:24]
     assert pairs and {p["k"] for p in pairs} == {4} and {p["ranking"] for p in pairs} <= set(range(24))
     for p in pairs:
         assert p["prompt"] == train[p["ranking"]]["prompt"] and p["answer"] == train[p["ranking"]]["answer"]
-        assert rm.answer_matches(p["chosen"], p["answer"]) and not rm.answer_matches(p["rejected"], p["answer"])
-    for key in {p["ranking"] for p in pairs}:  # c right and 4 - c wrong samples: c (4 - c) pairs, ties dropped
-        assert sum(p["ranking"] == key for p in pairs) in (3, 4)
+        right = [rm.answer_matches(p[c], p["answer"]) for c in ("chosen", "rejected")]
+        assert right[0] == right[1] if p["tie"] else right == [True, False]
+    for key in {p["ranking"] for p in pairs}:  # c right and 4 - c wrong samples: c (4 - c) preferences
+        assert sum(p["ranking"] == key and not p["tie"] for p in pairs) in (0, 3, 4)
     assert read_jsonl(run / "comparisons_test.jsonl") and "eval/comparison_accuracy" in rm_out
     check_calibration_benchmark(run)
     spec = json.loads((run / "final" / "reward.json").read_text())
     assert spec == {"type": "reward_model", "model": str((run / "final").resolve()), "normalize": True}
     out = ppo.main(ppo.Args(model_name_or_path=policy, reward=str(run / "final" / "reward.json"),
-                            gold_reward="correctness", output_dir=str(tmp_path / "ppo"), total_steps=2,
-                            prompts_per_step=8, num_mini_batches=2, eval_split=None, warmup_steps=0))
+                            gold_reward="correctness", num_generations=4, prompts_per_step=2,
+                            center_scores_per_prompt=True, output_dir=str(tmp_path / "ppo"), total_steps=2,
+                            eval_split=None, warmup_steps=0))
     rows = train_rows(out["run_dir"])
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:  # the learned reward alone is trained on; the gold one is a mean of correctness's 1 and -0.5
-        assert math.isfinite(r["rewards/reward_model"]) and r["train/reward"] == r["rewards/reward_model"]
+    for r in rows:  # the learned reward alone is trained on, less each prompt's mean; the gold one is a mean of
+        assert math.isfinite(r["rewards/reward_model"]) and abs(r["train/reward"]) < 1e-5  # correctness's 1 and -0.5
         assert any(r["rewards/gold"] == pytest.approx((1.5 * n - 4) / 8) for n in range(9))
 
 
