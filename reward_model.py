@@ -94,8 +94,7 @@ class Args:
     --comparison-prompts prompts of --dataset-split, sampled from --policy and ranked by --labeler; every pair of
     different rank goes to <run>/comparisons.jsonl, a ranking per prompt (--ranking-column ranking)"""
     comparison_rankings: bool = True
-    """train --comparisons as rankings (Eq. 1); --no-comparison-rankings: as independent pairs, one a batch element,
-    which learned more per step here (docs/reward_model.md)"""
+    """train --comparisons as rankings (Eq. 1); --no-comparison-rankings: as independent pairs"""
     comparison_prompts: int = 2000
     """prompts of --dataset-split to sample --comparisons for"""
     policy: Optional[str] = None
@@ -125,8 +124,7 @@ class Args:
     """nu > 0: Davidson's ties (`preference_loss`): pairs whose column `tie` is true pull their two scores together,
     and --comparisons also writes its tied samples' pairs (tie: true) into comparisons.jsonl (0: Bradley-Terry)"""
     tie_start_step: int = 0
-    """the ties train after this step, the preferences alone before it: from the first step the ties hold every score
-    together before the preferences have ordered anything (docs/reward_model.md)"""
+    """the ties train only after this step (before it: Bradley-Terry on the preferences alone)"""
 
     # --- optimisation
     learning_rate: float = 1e-3

@@ -38,11 +38,12 @@ GOLD = '{"type": "correctness", "wrong": 0}'  # 1 for a correct answer, else 0: 
 REWARD_MODELS = {  # name: reward_model.py flags
     "offline": [],  # 4,000 offline pairs of one slip each (data/arith/prefs.jsonl)
     "comparisons": ["--comparisons", "8", "--dataset-split", "train"],  # 2,000 prompts x 8 samples of the SFT model
-    "ties": ["--comparisons", "8", "--comparison-prompts", "6000", "--dataset-split", "train", "--no-comparison-rankings",
-             "--tie-strength", "1", "--tie-start-step", "1000", "--total-steps", "1500", "--learning-rate", "1e-3",
+    "ties": ["--comparisons", "8", "--comparison-prompts", "3000", "--dataset-split", "train", "--no-comparison-rankings",
+             "--tie-strength", "1", "--tie-start-step", "1500", "--total-steps", "2000", "--learning-rate", "1e-3",
              "--warmup-steps", "50", "--eval-every", "500"],  # Bradley-Terry, then the ties too (docs/reward_model.md)
 }
-CENTRED = ["--num-generations", "4", "--prompts-per-step", "64", "--center-scores-per-prompt", "--num-ppo-epochs", "1"]
+CENTRED = ["--num-generations", "4", "--prompts-per-step", "64", "--center-scores-per-prompt", "--total-steps", "300",
+           "--eval-every", "50"]  # 4 samples of 64 prompts a step, each score less its prompt's mean
 VERDICT = [{"type": "clip", "min": -1.0, "max": 0.0}]  # the whitened score clipped: right ~ 0, wrong below
 RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py, ppo.py flags)
     "synthetic": ("offline", [], []),
