@@ -585,7 +585,8 @@ def check_args(args: Args) -> int:
     check_common(args, ("total_steps", "batch_size", "max_length", "log_every", "learning_rate", "comparison_prompts",
                   "temperature", "max_completion_length"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "micro_batch_size",
-                  "center_rewards_coef", "tie_strength", "tie_start_step"), (args.model_name_or_path, *[args.policy] * bool(args.policy)))
+                  "center_rewards_coef", "tie_strength", "tie_start_step"),
+                 (args.model_name_or_path, *[args.policy] * bool(args.policy)))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: "
