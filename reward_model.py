@@ -705,7 +705,8 @@ def main(args: Args) -> dict:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         order.load(state)
-        pref_order.load(state["pref_order"])
+        if "pref_order" in state:  # a checkpoint from before --tie-start-step has none, and needs none
+            pref_order.load(state["pref_order"])
         lr_anchor = state["lr_anchor"]
         if "total_steps" in overrides:  # the decay continues from where it is to the new last step
             lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
