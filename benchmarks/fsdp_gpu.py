@@ -81,8 +81,9 @@ def main(args: Args) -> dict:
         model = Path(tmp) / "model"
         make_model(args.shape, model)
         for script in args.scripts:
-            results[script] = {mode: run(script, mode == "fsdp", args, model, Path(tmp) / script / mode)
-                               for mode in ("ddp", "fsdp")}
+            for mode in ("ddp", "fsdp"):
+                results.setdefault(script, {})[mode] = run(script, mode == "fsdp", args, model, Path(tmp) / script / mode)
+                print(script, mode, results[script][mode], flush=True)  # as it comes: a run cut short keeps the rest
     where = f"{args.nproc} x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else f"CPU, {args.nproc} processes"
     print(f"DDP against --fsdp on {where}, {args.shape} model, {args.steps} steps; medians of steps 2-{args.steps}\n")
     print("| script | DDP s/step | FSDP s/step | FSDP / DDP | DDP peak GB | FSDP peak GB |")

@@ -43,6 +43,9 @@ class Args:
     """timed calls per backend"""
     threads: int = 2
     """torch threads on CPU"""
+    bf16_weights: bool = False
+    """bfloat16 weights and no autocast, as grpo.py --dtype bfloat16 runs (default: float32 weights, bf16 autocast on
+    CUDA, as --dtype auto runs)"""
 
 
 def load_model(shape: str, device: str):
@@ -68,12 +71,13 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(args.shape, device)
+    model = model.to(torch.bfloat16) if args.bf16_weights else model
     lines = (ROOT / "data/arith/train.jsonl").read_text().splitlines()[: args.prompts]
     rows = [tokenizer(json.loads(line)["prompt"], add_special_tokens=False).input_ids for line in lines]
     ids, mask = (t.to(device) for t in grpo.left_pad([r for r in rows for _ in range(args.group)], tokenizer.pad_token_id))
     config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id])
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda" and not args.bf16_weights)
     eos = torch.tensor([tokenizer.eos_token_id], device=device)
     results = {}
     for backend in args.backends:
@@ -94,7 +98,7 @@ def main(args: Args) -> dict:
         results[backend] = {"s": statistics.median(times), "tok_s": statistics.median(n / t for n, t in zip(tokens, times)),
                             "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {args.threads} threads"
-    print(f"sampling on {where}, {args.shape} model, {args.prompts} prompts x G = {args.group}, {args.max_new_tokens} "
+    print(f"sampling on {where}, {args.shape} model, {'bf16 weights' if args.bf16_weights else 'float32 weights'}, {args.prompts} prompts x G = {args.group}, {args.max_new_tokens} "
           f"new tokens; medians of {args.repeats} calls after {args.warmup} untimed\n")
     print("| --generation-backend | s / batch | vs generate | completion tokens / s | peak GB |")
     print("|---|---|---|---|---|")
