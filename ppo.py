@@ -85,6 +85,8 @@ class Args:
     """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
     value_model_name_or_path: Optional[str] = None
     """folder or hub id of the value model's backbone (and head, if it has one) (None: the policy's)"""
+    value_model_layers: int = 0
+    """keep the value model's first N decoder layers only (0: all): a smaller critic, a cheaper step"""
     dataset: str = "data/arith"
     """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "train"
@@ -433,10 +435,11 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def load_value_model(name: str, dtype: torch.dtype):
+def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
     """The value model: the causal-LM backbone of `name` with a scalar head (a token classifier with one label).
     A checkpoint without such a head (a causal LM) gets a zero head: V = 0 everywhere at the start, so the first
-    advantages are the plain GAE of the rewards rather than of a random critic's noise."""
+    advantages are the plain GAE of the rewards rather than of a random critic's noise. layers > 0 keeps the first
+    `layers` decoder blocks, then the final norm and the head."""
     has_head = any(a.endswith("ForTokenClassification") for a in AutoConfig.from_pretrained(name).architectures or [])
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # no report of the head that is "newly initialized": it is set below
@@ -449,6 +452,11 @@ def load_value_model(name: str, dtype: torch.dtype):
         torch.nn.init.zeros_(head.weight)
         if head.bias is not None:
             torch.nn.init.zeros_(head.bias)
+    if layers:
+        del max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)[layers:]
+        model.config.num_hidden_layers = layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:layers]
     return model
 
 
@@ -679,13 +687,19 @@ def check_args(args: Args) -> int:
                         "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
                         "learning_rate", "value_learning_rate"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "top_k", "num_sample_completions",
-                  "micro_batch_size", "beta", "clip_high", "cliprange_value", "vf_coef", "entropy_coef"),
+                  "micro_batch_size", "beta", "clip_high", "cliprange_value", "vf_coef", "entropy_coef",
+                  "value_model_layers"),
                  (args.model_name_or_path,))
     if args.value_model_name_or_path:
         try:
             check_common(args, (), (), (args.value_model_name_or_path,))
         except ValueError as e:
             raise ValueError(f"--value-model-name-or-path: {e}") from None
+    if args.value_model_layers:
+        blocks = AutoConfig.from_pretrained(args.value_model_name_or_path or args.model_name_or_path).num_hidden_layers
+        if args.value_model_layers > blocks:
+            raise ValueError(f"--value-model-layers {args.value_model_layers}: the value model has {blocks} decoder "
+                             f"layers; use 1 to {blocks}, or 0 for all")
     if args.center_scores_per_prompt and args.num_generations < 2:
         raise ValueError("--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more")
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -766,7 +780,8 @@ def main(args: Args) -> dict:
     # 2. Models: the policy and the value model (optionally with LoRA adapters), and a frozen reference when beta > 0.
     weights_dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=weights_dtype).to(device)
-    value_model = load_value_model(args.value_model_name_or_path or args.model_name_or_path, weights_dtype).to(device)
+    value_model = load_value_model(args.value_model_name_or_path or args.model_name_or_path, weights_dtype,
+                                   args.value_model_layers).to(device)
     for m in [*model.modules(), *value_model.modules()]:
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0

@@ -40,8 +40,11 @@ REWARD_MODELS = {  # name: reward_model.py flags
     "offline": [],  # 4,000 offline pairs of one slip each (data/arith/prefs.jsonl)
     "comparisons": ["--comparisons", "8", "--dataset-split", "train"],  # 2,000 prompts x 8 samples of the SFT model
     "ties": ["--comparisons", "8", "--comparison-prompts", "3000", "--dataset-split", "train", "--no-comparison-rankings",
-             "--tie-strength", "1", "--tie-start-step", "1500", "--total-steps", "2000", "--learning-rate", "1e-3",
-             "--warmup-steps", "50", "--eval-every", "500"],  # Bradley-Terry, then the ties too (docs/reward_model.md)
+             "--tie-strength", "1", "--tie-start-step", "800", "--total-steps", "1000", "--batch-size", "128",
+             "--learning-rate", "1e-3", "--warmup-steps", "50", "--eval-every", "250"],  # Bradley-Terry, then the ties too
+    "ties_b64": ["--comparisons", "8", "--comparison-prompts", "3000", "--dataset-split", "train",
+                 "--no-comparison-rankings", "--tie-strength", "1", "--tie-start-step", "1500", "--total-steps", "2000",
+                 "--learning-rate", "1e-3", "--warmup-steps", "50", "--eval-every", "500"],  # its first version
 }
 CENTRED = ["--num-generations", "4", "--prompts-per-step", "64", "--center-scores-per-prompt", "--total-steps", "300",
            "--eval-every", "50"]  # 4 samples of 64 prompts a step, each score less its prompt's mean
@@ -51,6 +54,7 @@ RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py
     "onpolicy": ("comparisons", [], []),
     "onpolicy_clip": ("comparisons", VERDICT, []),
     "ties": ("ties", [], CENTRED),  # the pipeline of docs/reward_model.md
+    "ties_b64": ("ties_b64", [], CENTRED),  # the same with its first reward model (batch 64, 2,000 steps)
 }
 
 

@@ -225,12 +225,14 @@ def test_learning_raises_the_reward(tiny, tmp_path):
     assert statistics.fmean(rewards[-5:]) > statistics.fmean(rewards[:5]) + 0.3
 
 
-def test_resume_restores_the_value_model_and_the_kl_coefficient(tiny, tmp_path):
+@pytest.mark.parametrize("value_model_layers", [0, 1])
+def test_resume_restores_the_value_model_and_the_kl_coefficient(tiny, tmp_path, value_model_layers):
     """Resume from step 2 of a 4-step run with an adaptive KL coefficient and 2 epochs x 2 mini-batches: the value
     model, the optimiser's two groups and the coefficient come back, so steps 3-4 and both final models equal the
-    straight run's (the generic resume test, tests/test_lifecycle.py, compares the policy only)."""
+    straight run's (the generic resume test, tests/test_lifecycle.py, compares the policy only); also with a value
+    model cut to its first layer (--value-model-layers 1), which is saved as a 1-layer model."""
     kw = {"total_steps": 4, "eval_split": None, "save_every": 2, "kl_controller": "adaptive", "kl_target": 1e-6,
-          "kl_horizon": 8, "num_ppo_epochs": 2, "lr_schedule": "linear"}
+          "kl_horizon": 8, "num_ppo_epochs": 2, "lr_schedule": "linear", "value_model_layers": value_model_layers}
     straight = ppo.main(tiny_args(tiny, tmp_path / "a", **kw))
     run = tmp_path / "b" / Path(straight["run_dir"]).name
     shutil.copytree(straight["run_dir"], run)
@@ -241,7 +243,20 @@ def test_resume_restores_the_value_model_and_the_kl_coefficient(tiny, tmp_path):
         assert resumed[key] == pytest.approx(straight[key], abs=1e-6)
     for name in ("model.safetensors", "value_model/model.safetensors"):
         a, b = load_file(Path(straight["run_dir"]) / "final" / name), load_file(run / "final" / name)
-        assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    layers = json.loads((run / "final" / "value_model" / "config.json").read_text())["num_hidden_layers"]
+    assert layers == (value_model_layers or 2) and any(".1." in k for k in a) == (not value_model_layers)
+
+
+def test_value_model_layers_keeps_the_first_blocks(tiny):
+    """--value-model-layers 1: the value model is the checkpoint's embeddings, first decoder block, final norm and a
+    zero head; the second block is gone from the module and the config alike."""
+    full = AutoModelForCausalLM.from_pretrained(tiny / "model").state_dict()
+    cut = ppo.load_value_model(str(tiny / "model"), torch.float32, layers=1)
+    assert len(cut.model.layers) == cut.config.num_hidden_layers == 1 and len(cut.config.layer_types) == 1
+    kept = {k: v for k, v in cut.state_dict().items() if not k.startswith("score.")}
+    assert kept and all(torch.equal(v, full[k]) for k, v in kept.items())
+    assert not any(k.startswith("model.layers.1.") for k in kept) and not cut.score.weight.any()
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -271,6 +286,8 @@ def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_
     ({"prompts_per_step": 6, "num_mini_batches": 4}, "= 6 is not divisible by --num-mini-batches 4: use "
                                                      "--num-mini-batches 3"),
     ({"value_model_name_or_path": "models/nope"}, "--value-model-name-or-path: model 'models/nope' does not exist"),
+    ({"value_model_layers": 3}, "--value-model-layers 3: the value model has 2 decoder layers; use 1 to 2, or 0"),
+    ({"value_model_layers": -1}, "--value-model-layers must be >= 0"),
     ({"reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),
     ({"prompts_per_step": 4, "num_mini_batches": 1, "micro_batch_size": 3}, "use --micro-batch-size 2"),
     ({"center_scores_per_prompt": True}, "--center-scores-per-prompt needs several completions of a prompt"),
