@@ -771,9 +771,11 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
             pad = lambda rows, value, dtype: torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
             return (pad([d.generated_tokens for d in done], gen_config.pad_token_id, torch.long).to(ids.device),
                     pad([d.logprobs for d in done], 0.0, torch.float32).to(ids.device))
-        seen, extra = SampledLogprobs(gen_config.temperature), {}
-        if backend == "static":
+        seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
+        if backend == "static":  # its cache takes the keys' dtype; under bf16 autocast RoPE makes keys float32 and
+            # values stay bf16, which it cannot hold: so it samples in the weights' own dtype, autocast off
             gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
+            precision = torch.autocast(ids.device.type, enabled=False)
         rows, counts = (torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
                         if backend == "shared" else (ids, None))
         if len(rows) < len(ids) and ids.shape[1] > 1:  # shared: all but the last prompt token, once a group
@@ -783,8 +785,9 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
                   position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
             cache.batch_repeat_interleave(counts)
             extra["past_key_values"] = cache
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config, logits_processor=[seen],
-                             synced_gpus=False, **extra)  # (--fsdp samples with whole weights: no lockstep)
+        with precision:  # (--fsdp samples with whole weights: no lockstep)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
+                                 logits_processor=[seen], synced_gpus=False, **extra)
         completion_ids = out[:, ids.shape[1]:]
         return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
     finally:
