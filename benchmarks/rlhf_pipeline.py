@@ -53,8 +53,8 @@ RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py
     "synthetic": ("offline", [], []),
     "onpolicy": ("comparisons", [], []),
     "onpolicy_clip": ("comparisons", VERDICT, []),
-    "ties": ("ties", [], CENTRED),  # the pipeline of docs/reward_model.md
-    "ties_b64": ("ties_b64", [], CENTRED),  # the same with its first reward model (batch 64, 2,000 steps)
+    "ties": ("ties", [], [*CENTRED, "--value-model-layers", "1"]),  # the pipeline of docs/reward_model.md
+    "ties_b64": ("ties_b64", [], CENTRED),  # its first version: reward model at batch 64, 2,000 steps; full critic
 }
 
 
