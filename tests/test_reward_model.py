@@ -410,8 +410,8 @@ def test_instructgpt_pipeline_the_three_commands(tmp_path):
     """docs/reward_model.md's three commands at a tiny budget, on the embedded task: sft.py; reward_model.py
     --comparisons (the SFT model's samples, ranked by correctness: a preference has a right chosen and a wrong rejected
     answer, a tie two of one kind) trained as pairs, Bradley-Terry then the ties; ppo.py --reward
-    <rm>/final/reward.json --gold-reward, its score centred per prompt: PPO's reward is the reward model's alone, the
-    rule reward is logged beside it."""
+    <rm>/final/reward.json --gold-reward, its score centred per prompt, a one-layer critic: PPO's reward is the
+    reward model's alone, the rule reward is logged beside it."""
     import ppo
     import sft
 
@@ -436,8 +436,8 @@ def test_instructgpt_pipeline_the_three_commands(tmp_path):
     assert spec == {"type": "reward_model", "model": str((run / "final").resolve()), "normalize": True}
     out = ppo.main(ppo.Args(model_name_or_path=policy, reward=str(run / "final" / "reward.json"),
                             gold_reward="correctness", num_generations=4, prompts_per_step=2,
-                            center_scores_per_prompt=True, output_dir=str(tmp_path / "ppo"), total_steps=2,
-                            eval_split=None, warmup_steps=0))
+                            center_scores_per_prompt=True, value_model_layers=1, output_dir=str(tmp_path / "ppo"),
+                            total_steps=2, eval_split=None, warmup_steps=0))
     rows = train_rows(out["run_dir"])
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # the learned reward alone is trained on, less each prompt's mean; the gold one is a mean of
