@@ -98,8 +98,9 @@ def main(args: Args) -> dict:
         results[backend] = {"s": statistics.median(times), "tok_s": statistics.median(n / t for n, t in zip(tokens, times)),
                             "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {args.threads} threads"
-    print(f"sampling on {where}, {args.shape} model, {'bf16 weights' if args.bf16_weights else 'float32 weights'}, {args.prompts} prompts x G = {args.group}, {args.max_new_tokens} "
-          f"new tokens; medians of {args.repeats} calls after {args.warmup} untimed\n")
+    weights = "bf16 weights" if args.bf16_weights else "float32 weights"
+    print(f"sampling on {where}, {args.shape} model, {weights}, {args.prompts} prompts x G = {args.group}, "
+          f"{args.max_new_tokens} new tokens; medians of {args.repeats} calls after {args.warmup} untimed\n")
     print("| --generation-backend | s / batch | vs generate | completion tokens / s | peak GB |")
     print("|---|---|---|---|---|")
     base = results.get("generate", {}).get("s")
