@@ -452,7 +452,7 @@ def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
         torch.nn.init.zeros_(head.weight)
         if head.bias is not None:
             torch.nn.init.zeros_(head.bias)
-    if layers:
+    if layers:  # the decoder blocks are the longest ModuleList (model.layers; GPT-2's transformer.h)
         del max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)[layers:]
         model.config.num_hidden_layers = layers
         if getattr(model.config, "layer_types", None):
