@@ -3,9 +3,12 @@
     python benchmarks/grpo_vs_trl.py                 # 10 steps each
     python benchmarks/grpo_vs_trl.py --steps 30 --order grpo-first
     python benchmarks/grpo_vs_trl.py --model MODEL --eval-limit 0   # on a CUDA machine: bf16 autocast for both
+    python benchmarks/grpo_vs_trl.py --model MODEL --eval-limit 0 --dtype bfloat16 --backends shared static
 
 On a GPU both trainers run with bfloat16 autocast over float32 weights (TRL's bf16=True, grpo.py's default);
---eval-limit 0 skips the accuracy (a model with random weights scores 0).
+--dtype bfloat16 loads both in bfloat16 instead (TRL's model, and grpo.py --dtype bfloat16: AdamW on bfloat16
+weights, no autocast), the setting under which grpo.py's static backend compiles its decode step. --eval-limit 0
+skips the accuracy (a model with random weights scores 0).
 
 Identical work: models/tiny-arith, prompts of data/arith train, rewards.DEFAULT_SPEC (one function for
 both), G = 8, 64 completions per step (8 prompts), at most 40 new tokens, temperature 1 (no top-k /
@@ -64,6 +67,10 @@ class Args:
     """grpo.py's --generation-backend(s), one run each (e.g. --backends shared static paged on a GPU)"""
     grpo_micro_batch_size: int = 32
     """grpo.py's completions per forward/backward (sorted by length, so less padding than one batch of 64)"""
+    dtype: Literal["auto", "bfloat16"] = "auto"
+    """weights of both: auto = float32 (with bf16 autocast on a GPU), or bfloat16 for both"""
+    trl_cache_implementation: str | None = None
+    """TRL's GRPOConfig.cache_implementation for its `generate` (e.g. static; default: its dynamic cache)"""
     model: str = str(ROOT / "models/tiny-arith")
     """the policy both trainers start from"""
     dataset: str = str(ROOT / "data/arith")
@@ -71,6 +78,7 @@ class Args:
 
 
 G, COMPLETIONS_PER_STEP, MAX_NEW_TOKENS, BETA = 8, 64, 40, 0.04
+WEIGHTS = {"auto": torch.float32, "bfloat16": torch.bfloat16}
 TRL_DEFAULT = "TRL GRPOTrainer (its default: gradient checkpointing)"
 TRL_PLAIN = "TRL GRPOTrainer (no checkpointing)"
 
@@ -103,10 +111,11 @@ def run_trl(args: Args, out_dir: str, gradient_checkpointing: bool) -> tuple[lis
         adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0, use_cpu=not torch.cuda.is_available(),
         bf16=torch.cuda.is_available(), fp16=False, report_to="none",
         save_strategy="no", logging_steps=1, seed=args.seed, disable_dropout=True, dataloader_num_workers=0,
-        log_completions=False, gradient_checkpointing=gradient_checkpointing)
+        log_completions=False, gradient_checkpointing=gradient_checkpointing,
+        cache_implementation=args.trl_cache_implementation)
     timer = StepTimer()
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), reward_funcs=[arith_reward],
+        model=AutoModelForCausalLM.from_pretrained(args.model, dtype=WEIGHTS[args.dtype]), reward_funcs=[arith_reward],
         args=config, train_dataset=load_dataset("json", data_files=str(Path(args.dataset) / "train.jsonl"), split="train"),
         processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[timer])
     trainer.train()
@@ -122,7 +131,7 @@ def run_grpo(args: Args, out_dir: str, backend: str) -> tuple[list[dict], torch.
         micro_batch_size=args.grpo_micro_batch_size, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, beta=BETA,
         kl_estimator="k3", num_iterations=1, loss_type=args.loss_type, scale_rewards="group",
         learning_rate=args.learning_rate, lr_schedule="constant", warmup_steps=0, max_grad_norm=1.0, log_every=1,
-        save_every=0, generation_backend=backend))
+        save_every=0, generation_backend=backend, dtype=args.dtype))
     rows = [json.loads(line) for line in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "perf/step_s" in r], AutoModelForCausalLM.from_pretrained(Path(out["run_dir"]) / "final")
 
@@ -171,7 +180,8 @@ def main(args: Args) -> list[dict]:
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {args.threads} threads"
     print(f"\nGRPO on {where} ({Path(args.model).name}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"trl {trl.__version__}): {args.steps} steps, G={G}, {COMPLETIONS_PER_STEP} completions/step, "
-          f"{MAX_NEW_TOKENS} new tokens, beta={BETA}, loss {args.loss_type}, lr {args.learning_rate} constant")
+          f"{MAX_NEW_TOKENS} new tokens, beta={BETA}, loss {args.loss_type}, lr {args.learning_rate} constant, "
+          f"weights {args.dtype}")
     print(f"greedy accuracy before training: {start:.3f} ({len(prompts)} test prompts)\n")
     print("| trainer | median s/step | generate s | score s | logp+backward+step s | decode tok/s | peak GB | "
           "speed-up vs TRL default | speed-up vs TRL without checkpointing | final accuracy |")
