@@ -678,7 +678,7 @@ def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, 
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
-                     "track", "wandb_project_name", "wandb_entity", "device")
+                     "track", "wandb_project_name", "wandb_entity", "device", "reward")  # reward: iterated RLHF
 
 
 def check_args(args: Args) -> int:
@@ -845,7 +845,8 @@ def main(args: Args) -> dict:
         if not run.fsdp:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        reward.load_state_dict(state["reward"])
+        if "reward" not in overrides:  # a new --reward (a reward model retrained on this policy) starts afresh
+            reward.load_state_dict(state["reward"])
         kl_ctl.load_state_dict(state["kl_controller"])
         order.load(state)
         lr_anchor = state["lr_anchor"]

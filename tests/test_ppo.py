@@ -250,6 +250,24 @@ def test_resume_restores_the_value_model_and_the_kl_coefficient(tiny, tmp_path, 
     assert layers == (value_model_layers or 2) and second_block == (not value_model_layers)
 
 
+def test_resume_may_swap_the_reward(tiny, tmp_path):
+    """Iterated RLHF: a run resumed with a new --reward (a reward model retrained on the policy's samples) scores
+    with it from the next step, and does not load the old reward's state: the old spec's ema_normalize moments would
+    not fit the new one (rewards.Reward.load_state_dict refuses a state missing its keys)."""
+    old = {"type": "capitalization", "postprocess": [{"type": "scale", "factor": 2.0}]}
+    new = {"type": "capitalization", "postprocess": [{"type": "scale", "factor": 0.0, "shift": 0.5}, "ema_normalize",
+                                                     {"type": "scale", "shift": 0.25}]}  # a constant 0.25
+    first = ppo.main(tiny_args(tiny, tmp_path, total_steps=4, save_every=2, eval_split=None, reward=json.dumps(old)))
+    shutil.rmtree(Path(first["run_dir"]) / "final")
+    ppo.main(ppo.Args(resume=str(Path(first["run_dir"]) / "checkpoints" / "step_2"), reward=json.dumps(new)))
+    rows = train_rows(first["run_dir"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert {r["rewards/capitalization"] for r in rows[2:]} == {0.25}
+    assert {r["rewards/capitalization"] for r in rows[:2]} != {0.25}
+    saved = json.loads((Path(first["run_dir"]) / "args.json").read_text())
+    assert saved["resumed"][0]["overrides"]["reward"] == [json.dumps(old), json.dumps(new)]
+
+
 def test_value_model_layers_keeps_the_first_blocks(tiny):
     """--value-model-layers 1: the value model is the checkpoint's embeddings, first decoder block, final norm and a
     zero head; the second block is gone from the module and the config alike."""
