@@ -181,6 +181,9 @@ class Args:
     """peak learning rate of AdamW for the value model"""
     total_steps: int = 300
     """training steps (batches of rollouts); may change on --resume (the lr decay then ends at the new last step)"""
+    pause_at_step: int = 0
+    """stop after this step with a checkpoint, as Ctrl-C does, the schedule still set by --total-steps (0: never); go
+    on with --resume, e.g. with a new --reward (iterated RLHF)"""
     micro_batch_size: int = 0
     """completions per forward/backward pass, gradients accumulated over a mini-batch (0: largest divisor up to 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -678,7 +681,8 @@ def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, 
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
-                     "track", "wandb_project_name", "wandb_entity", "device", "reward")  # reward: iterated RLHF
+                     "track", "wandb_project_name", "wandb_entity", "device", "reward",
+                     "pause_at_step")
 
 
 def check_args(args: Args) -> int:
@@ -688,7 +692,7 @@ def check_args(args: Args) -> int:
                         "learning_rate", "value_learning_rate"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "top_k", "num_sample_completions",
                   "micro_batch_size", "beta", "clip_high", "cliprange_value", "vf_coef", "entropy_coef",
-                  "value_model_layers"),
+                  "value_model_layers", "pause_at_step"),
                  (args.model_name_or_path,))
     if args.value_model_name_or_path:
         try:
@@ -700,6 +704,9 @@ def check_args(args: Args) -> int:
         if args.value_model_layers > blocks:
             raise ValueError(f"--value-model-layers {args.value_model_layers}: the value model has {blocks} decoder "
                              f"layers; use 1 to {blocks}, or 0 for all")
+    if args.pause_at_step >= args.total_steps:
+        raise ValueError(f"--pause-at-step {args.pause_at_step} is not before the last step (--total-steps "
+                         f"{args.total_steps}), so there is nothing to pause: use a smaller step, or 0")
     if args.center_scores_per_prompt and args.num_generations < 2:
         raise ValueError("--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more")
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -876,7 +883,7 @@ def main(args: Args) -> dict:
     timing = dict.fromkeys(("step", "generate", "score", "train"), 0.0)  # seconds since the last log row
     with run:
         for step in run.steps(measure, save):
-            t_step = time.perf_counter()
+            t_step, run.stop = time.perf_counter(), run.stop or step == args.pause_at_step  # (checked after the step)
             # 4a. Roll out: a completion (or G) for each prompt from pi_old, scored (Sec. 2 of arXiv:1909.08593).
             with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
                 rows = [i for i in order.draw(groups) for _ in range(G)]

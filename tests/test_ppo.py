@@ -250,15 +250,15 @@ def test_resume_restores_the_value_model_and_the_kl_coefficient(tiny, tmp_path, 
     assert layers == (value_model_layers or 2) and second_block == (not value_model_layers)
 
 
-def test_resume_may_swap_the_reward(tiny, tmp_path):
-    """Iterated RLHF: a run resumed with a new --reward (a reward model retrained on the policy's samples) scores
-    with it from the next step, and does not load the old reward's state: the old spec's ema_normalize moments would
-    not fit the new one (rewards.Reward.load_state_dict refuses a state missing its keys)."""
+def test_pause_then_resume_with_a_new_reward(tiny, tmp_path):
+    """Iterated RLHF: --pause-at-step 2 of 4 stops after step 2 with a checkpoint and no final/; resumed with a new
+    --reward (a reward model retrained on the policy's samples), the run scores with it from step 3, and does not load
+    the old reward's state, which lacks the new spec's ema_normalize moments (Reward.load_state_dict refuses it)."""
     old = {"type": "capitalization", "postprocess": [{"type": "scale", "factor": 2.0}]}
     new = {"type": "capitalization", "postprocess": [{"type": "scale", "factor": 0.0, "shift": 0.5}, "ema_normalize",
                                                      {"type": "scale", "shift": 0.25}]}  # a constant 0.25
-    first = ppo.main(tiny_args(tiny, tmp_path, total_steps=4, save_every=2, eval_split=None, reward=json.dumps(old)))
-    shutil.rmtree(Path(first["run_dir"]) / "final")
+    first = ppo.main(tiny_args(tiny, tmp_path, total_steps=4, pause_at_step=2, eval_split=None, reward=json.dumps(old)))
+    assert first["interrupted"] and first["step"] == 2 and not (Path(first["run_dir"]) / "final").exists()
     ppo.main(ppo.Args(resume=str(Path(first["run_dir"]) / "checkpoints" / "step_2"), reward=json.dumps(new)))
     rows = train_rows(first["run_dir"])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -311,6 +311,8 @@ def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_
     ({"reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),
     ({"prompts_per_step": 4, "num_mini_batches": 1, "micro_batch_size": 3}, "use --micro-batch-size 2"),
     ({"center_scores_per_prompt": True}, "--center-scores-per-prompt needs several completions of a prompt"),
+    ({"pause_at_step": 2}, "--pause-at-step 2 is not before the last step (--total-steps 2)"),
+    ({"pause_at_step": -1}, "--pause-at-step must be >= 0"),
     ({"gold_reward": "correctnes"}, "unknown reward type 'correctnes'"),
     ({"gold_reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),
 ])
