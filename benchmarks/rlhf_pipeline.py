@@ -6,6 +6,9 @@ Each recipe is two commands (the SFT model, models/tiny-arith, is sft.py's and a
     python ppo.py --reward <that spec, its score postprocessed as the recipe says> \
         --gold-reward '{"type": "correctness", "wrong": 0}'
 
+and an iterated one (ROUND_TWO) three more: ppo.py pauses at step --pause, reward_model.py goes on from the first reward
+model with comparisons of that checkpoint's samples, and ppo.py resumes against the new one.
+
 PPO never sees the rule reward: it is logged beside the learned one as rewards/gold (here the fraction of the step's
 samples that are correct). The table: greedy accuracy on the 500 test problems at the start and the end (each seed),
 the learned and the gold reward and the KL over the last 20 steps, and the minutes of each stage. The plot: gold and
@@ -13,7 +16,7 @@ proxy (learned, whitened) reward against the KL per completion, the over-optimis
 (arXiv:2210.10760, Fig. 1), for every recipe run.
 
     python benchmarks/rlhf_pipeline.py                                  # onpolicy_clip, seeds 1 2 3
-    python benchmarks/rlhf_pipeline.py --recipes ties --seeds 2         # docs/reward_model.md's three commands
+    python benchmarks/rlhf_pipeline.py --recipes iterated --seeds 2     # docs/reward_model.md's five commands
     python benchmarks/rlhf_pipeline.py --recipes synthetic onpolicy --seeds 1 --ppo-flags="--total-steps 150"
     python benchmarks/rlhf_pipeline.py --recipes synthetic --seeds 1 --summarize-only \
         --runs "clipped, 600 steps=runs/<ppo run>" --plot docs/rlhf_overoptimisation.png     # other runs beside
@@ -55,7 +58,11 @@ RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py
     "onpolicy_clip": ("comparisons", VERDICT, []),
     "ties": ("ties", [], [*CENTRED, "--value-model-layers", "1"]),  # the pipeline of docs/reward_model.md
     "ties_b64": ("ties_b64", [], CENTRED),  # its first version: reward model at batch 64, 2,000 steps; full critic
+    "iterated": ("ties", [], [*CENTRED, "--value-model-layers", "1"]),  # "ties", and a second reward model at --pause
 }
+ROUND_TWO = {"iterated": ["--comparisons", "8", "--comparison-prompts", "2000", "--dataset-split", "train",
+                          "--no-comparison-rankings", "--tie-strength", "1", "--total-steps", "300", "--batch-size", "128",
+                          "--learning-rate", "3e-4", "--warmup-steps", "20", "--eval-every", "150"]}
 
 
 @dataclass
@@ -76,42 +83,47 @@ class Args:
     """extra reward_model.py flags for every recipe, e.g. "--total-steps 600" (quoted)"""
     ppo_flags: str = ""
     """extra ppo.py flags for every recipe, e.g. "--total-steps 150 --eval-every 50" (quoted)"""
+    pause: int = 150
+    """the step at which an iterated recipe's ppo.py pauses for its second reward model"""
     runs: tuple[str, ...] = ()
     """other ppo.py runs (with --gold-reward) for the table and the plot, as label=run-folder"""
 
 
-def finished(root: Path, name: str):
-    found = sorted(d for d in root.glob(f"*__{name}__*") if (d / "final").exists())
+def finished(root: Path, name: str, done: str = "final"):
+    found = sorted(d for d in root.glob(f"*__{name}__*") if (d / done).exists())
     return found[-1] if found else None
 
 
-def stage(root: Path, name: str, cmd: list[str], threads: int) -> Path:
-    if finished(root, name) is None:
+def stage(root: Path, name: str, cmd: list[str], threads: int, done: str = "final") -> Path:
+    """Runs `cmd` unless a run of this name has `done`; its minutes add up in wall_s.txt (a resumed run's too)."""
+    if finished(root, name, done) is None:
         t0, log = time.time(), root / f"{name}.log"
         with log.open("w") as f:
             rc = subprocess.run([sys.executable, *cmd, "--exp-name", name, "--output-dir", str(root)], cwd=ROOT,
                                 env={**os.environ, "OMP_NUM_THREADS": str(threads)}, stdout=f, stderr=subprocess.STDOUT)
         if rc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc.returncode}); see {log}")
-        (finished(root, name) / "wall_s.txt").write_text(f"{time.time() - t0:.1f}\n")
-    return finished(root, name)
+        wall = finished(root, name, done) / "wall_s.txt"
+        wall.write_text(f"{time.time() - t0 + (float(wall.read_text()) if wall.exists() else 0):.1f}\n")
+    return finished(root, name, done)
 
 
 def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def summary(rm, ppo: Path) -> dict:
-    """A PPO run's metrics (and its reward model's, if given) -> the table's numbers and the curve."""
+def summary(rm, ppo: Path, rm2=None) -> dict:
+    """A PPO run's metrics (and its reward models', if given) -> the table's numbers and the curve."""
     steps = [r for r in rows(ppo) if "rewards/gold" in r]
     evals = [r["eval/accuracy"] for r in rows(ppo) if "eval/accuracy" in r]
     last = steps[-20:]
     wall = lambda run: float((run / "wall_s.txt").read_text()) / 60 if run and (run / "wall_s.txt").exists() else None
+    rm_min = wall(rm) and wall(rm) + (wall(rm2) or 0)
     metric = lambda key: ([r[key] for r in rows(rm) if key in r] or [None])[-1] if rm else None
     return {"start": 100 * evals[0], "end": 100 * evals[-1], "evals": evals, "steps": steps[-1]["step"],
             "proxy": statistics.mean(r["rewards/reward_model"] for r in last),
             "gold": statistics.mean(r["rewards/gold"] for r in last), "kl": statistics.mean(r["train/kl"] for r in last),
-            "rm_min": wall(rm), "ppo_min": wall(ppo), "rm_comparisons": metric("eval/comparison_accuracy"),
+            "rm_min": rm_min, "ppo_min": wall(ppo), "rm_comparisons": metric("eval/comparison_accuracy"),
             "rm_pairs": metric("eval/pref_accuracy"),
             "curve": [(r["train/kl"], r["rewards/reward_model"], r["rewards/gold"]) for r in steps]}
 
@@ -133,9 +145,20 @@ def main(args: Args) -> None:
                                        *shlex.split(args.rm_flags)], args.threads)
             spec = {**json.loads((rm / "final" / "reward.json").read_text()), "postprocess": postprocess}
             (root / f"{recipe}_{seed}.json").write_text(json.dumps(spec))
-            ppo = stage(root, ppo_name, ["ppo.py", "--seed", str(seed), "--reward", str(root / f"{recipe}_{seed}.json"),
-                                         "--gold-reward", GOLD, *ppo_flags, *shlex.split(args.ppo_flags)], args.threads)
-            results[recipe, seed] = summary(rm, ppo)
+            ppo_cmd = ["ppo.py", "--seed", str(seed), "--reward", str(root / f"{recipe}_{seed}.json"), "--gold-reward",
+                       GOLD, *ppo_flags, *shlex.split(args.ppo_flags)]
+            rm2 = None
+            if recipe in ROUND_TWO:  # iterated RLHF: pause, a reward model retrained on the policy's samples, resume
+                paused = f"checkpoints/step_{args.pause}"
+                if finished(root, ppo_name) is None:
+                    ppo = stage(root, ppo_name, [*ppo_cmd, "--pause-at-step", str(args.pause)], args.threads, paused)
+                    rm2 = stage(root, f"rm2_{recipe}_{seed}", [
+                        "reward_model.py", "--seed", str(seed), "--model-name-or-path", str(rm / "final"), "--policy",
+                        str(ppo / paused), *ROUND_TWO[recipe], *shlex.split(args.rm_flags)], args.threads)
+                    ppo_cmd = ["ppo.py", "--resume", str(ppo / paused), "--reward", str(rm2 / "final" / "reward.json")]
+                rm2 = finished(root, f"rm2_{recipe}_{seed}")
+            ppo = stage(root, ppo_name, ppo_cmd, args.threads)
+            results[recipe, seed] = summary(rm, ppo, rm2)
     for label, folder in (run.rsplit("=", 1) for run in args.runs):
         results[label, 1] = summary(None, Path(folder))
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"

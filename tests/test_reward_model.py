@@ -612,3 +612,13 @@ def test_rlhf_pipeline_benchmark_runs_and_draws(tmp_path):
     rows = train_rows(rlhf_pipeline.finished(tmp_path, "ppo_onpolicy_clip_1"))
     assert len(rows) == 3 and all(-1.0 <= r["train/reward"] <= 0.0 and 0.0 <= r["rewards/gold"] <= 1.0 for r in rows)
     assert (tmp_path / "p.png").stat().st_size > 0
+    rlhf_pipeline.main(rlhf_pipeline.Args(  # iterated: PPO paused at step 2, a second reward model, resumed against it
+        recipes=("iterated",), seeds=(1,), threads=1, output_dir=str(tmp_path), pause=2,
+        rm_flags="--comparison-prompts 16 --total-steps 2 --tie-start-step 1 --batch-size 4 --eval-limit 8",
+        ppo_flags="--total-steps 3 --prompts-per-step 8 --eval-limit 8 --eval-every 0"))
+    run, rm2 = (rlhf_pipeline.finished(tmp_path, name) for name in ("ppo_iterated_1", "rm2_iterated_1"))
+    assert [r["step"] for r in train_rows(run)] == [1, 2, 3]
+    assert json.loads((rm2 / "args.json").read_text())["policy"] == str(run / "checkpoints" / "step_2")
+    resumed = json.loads((run / "args.json").read_text())["resumed"]
+    assert [r["step"] for r in resumed] == [2] and resumed[0]["overrides"]["reward"][1] == str(
+        rm2 / "final" / "reward.json")
