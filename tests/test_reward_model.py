@@ -406,12 +406,13 @@ def test_learning_on_the_embedded_task(tmp_path):
     assert evals[1] >= 0.7 and evals[1] >= evals[0] + 0.08
 
 
-def test_instructgpt_pipeline_the_three_commands(tmp_path):
-    """docs/reward_model.md's three commands at a tiny budget, on the embedded task: sft.py; reward_model.py
+def test_instructgpt_pipeline_the_five_commands(tmp_path):
+    """docs/reward_model.md's five commands at a tiny budget, on the embedded task: sft.py; reward_model.py
     --comparisons (the SFT model's samples, ranked by correctness: a preference has a right chosen and a wrong rejected
     answer, a tie two of one kind) trained as pairs, Bradley-Terry then the ties; ppo.py --reward
-    <rm>/final/reward.json --gold-reward, its score centred per prompt, a one-layer critic: PPO's reward is the
-    reward model's alone, the rule reward is logged beside it."""
+    <rm>/final/reward.json --gold-reward, its score centred per prompt, a one-layer critic, paused after step 1 of 2:
+    PPO's reward is the reward model's alone, the rule reward is logged beside it; reward_model.py again, from the
+    first reward model, on comparisons of the paused policy's samples; ppo.py resumed against that one."""
     import ppo
     import sft
 
@@ -437,9 +438,20 @@ def test_instructgpt_pipeline_the_three_commands(tmp_path):
     out = ppo.main(ppo.Args(model_name_or_path=policy, reward=str(run / "final" / "reward.json"),
                             gold_reward="correctness", num_generations=4, prompts_per_step=2,
                             center_scores_per_prompt=True, value_model_layers=1, output_dir=str(tmp_path / "ppo"),
-                            total_steps=2, eval_split=None, warmup_steps=0))
+                            total_steps=2, pause_at_step=1, eval_split=None, warmup_steps=0))
+    paused = Path(out["run_dir"]) / "checkpoints" / "step_1"
+    assert out["interrupted"] and out["step"] == 1 and (paused / "trainer_state.pt").exists()
+    rm2 = rm.main(rm.Args(model_name_or_path=str(run / "final"), policy=str(paused), comparisons=4, comparison_prompts=24,
+                          dataset_split="train", comparison_rankings=False, tie_strength=1.0,
+                          output_dir=str(tmp_path / "rm2"), total_steps=2, batch_size=4, eval_limit=16, eval_every=0,
+                          warmup_steps=0, learning_rate=3e-4))
+    rm2_spec = str(Path(rm2["run_dir"]) / "final" / "reward.json")
+    assert read_jsonl(Path(rm2["run_dir"]) / "comparisons.jsonl")
+    out = ppo.main(ppo.Args(resume=str(paused), reward=rm2_spec))
     rows = train_rows(out["run_dir"])
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2] and not out["interrupted"]
+    resumed = json.loads((Path(out["run_dir"]) / "args.json").read_text())["resumed"]
+    assert resumed[0]["overrides"]["reward"] == [str(run / "final" / "reward.json"), rm2_spec]
     for r in rows:  # the learned reward alone is trained on, less each prompt's mean; the gold one is a mean of
         assert math.isfinite(r["rewards/reward_model"]) and abs(r["train/reward"]) < 1e-5  # correctness's 1 and -0.5
         assert any(r["rewards/gold"] == pytest.approx((1.5 * n - 4) / 8) for n in range(9))
