@@ -681,8 +681,7 @@ def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, 
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
-                     "track", "wandb_project_name", "wandb_entity", "device", "reward",
-                     "pause_at_step")
+                     "track", "wandb_project_name", "wandb_entity", "device", "reward", "pause_at_step")
 
 
 def check_args(args: Args) -> int:
