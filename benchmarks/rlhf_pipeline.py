@@ -61,7 +61,7 @@ RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py
     "iterated": ("ties", [], [*CENTRED, "--value-model-layers", "1"]),  # "ties", and a second reward model at --pause
 }
 ROUND_TWO = {"iterated": ["--comparisons", "8", "--comparison-prompts", "2000", "--dataset-split", "train",
-                          "--no-comparison-rankings", "--tie-strength", "1", "--total-steps", "300", "--batch-size", "128",
+                          "--no-comparison-rankings", "--tie-strength", "1", "--total-steps", "150", "--batch-size", "128",
                           "--learning-rate", "3e-4", "--warmup-steps", "20", "--eval-every", "150"]}
 
 
