@@ -155,6 +155,9 @@ class Args:
     generation_backend: Literal["shared", "generate", "static", "paged"] = "shared"
     """how completions are sampled: shared (generate, each group's prompt prefilled once; fastest on CPU), generate,
     static (static KV cache, compiled on CUDA), paged (continuous batching); see docs/ppo.md"""
+    sampler_logprobs: bool = False
+    """pi_old's log-probs from the sampler, as TRL takes them (after step 1, which checks that the two agree); the
+    values share the policy's forward here, so it saves only the head over the vocabulary; needs float32 weights"""
     importance_sampling_cap: Optional[float] = None
     """truncated importance sampling (TIS) of the sampler's mismatch: each token's loss times min(pi_old / pi_sampler,
     cap), for backends whose numerics differ from the trainer's (bf16, compiled); None: off"""
@@ -550,7 +553,8 @@ class ActorCritic(torch.nn.Module):
         super().__init__()
         self.policy, self.value_head = policy, value_head
 
-    def forward(self, input_ids, attention_mask, prompt_width: int = 0, temperature: float = 1.0, labels=None):
+    def forward(self, input_ids, attention_mask, prompt_width: int = 0, temperature: float = 1.0, labels=None,
+                with_policy: bool = True):
         if labels is not None:  # right-padded, -100 on prompt and padding: sft.py's completion_only_loss, summed
             keep = labels[:, 1:] != -100
             return -(completion_logprobs(self.policy, input_ids, attention_mask, 1, 1.0) * keep).sum(), int(keep.sum())
@@ -559,9 +563,11 @@ class ActorCritic(torch.nn.Module):
         hidden = self.policy.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, use_cache=False).last_hidden_state
         hidden = hidden[:, prompt_width - 1 : -1]
-        logp, entropy = linear_token_logprobs(hidden, targets=input_ids[:, prompt_width:], temperature=temperature,
-                                              with_entropy=True, **lm_head(self.policy, hidden.dtype))
-        return logp, entropy, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        if not with_policy:  # the values alone (--sampler-logprobs): no head over the vocabulary
+            return None, None, values
+        return (*linear_token_logprobs(hidden, targets=input_ids[:, prompt_width:], temperature=temperature,
+                                       with_entropy=True, **lm_head(self.policy, hidden.dtype)), values)
 
     def save_pretrained(self, path, state_dict: Optional[dict] = None, **kwargs) -> None:
         """The language model as its save_pretrained writes it, and value_head.safetensors beside it. state_dict:
@@ -660,18 +666,20 @@ def micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torc
 
 
 @torch.no_grad()
-def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
-    """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token, recomputed rather
-    than taken from `generate`'s scores (N+ takes them from there). actor_critic: (ids, attention, prompt width, T)
-    -> (logp, entropy, values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp",
-    "ref_logp", "old_values"."""
+def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast,
+                            from_sampler: bool = False) -> dict:
+    """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token. pi_old's are
+    recomputed, or with from_sampler (--sampler-logprobs) the sampler's own (TRL and N+ take them from `generate`'s
+    scores): one policy forward fewer. actor_critic: (ids, attention, prompt width, T, with_policy) -> (logp, entropy,
+    values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp", "ref_logp", "old_values"."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
     old_logp, ref_logp, old_values = (torch.zeros_like(mask) for _ in range(3))
     with autocast:
         for r, inputs, end in micro_batches(batch, torch.arange(len(mask), device=mask.device), micro):
-            old_logp[r, :end], _, old_values[r, :end] = actor_critic(*inputs, args.temperature)
+            logp, _, old_values[r, :end] = actor_critic(*inputs, args.temperature, with_policy=not from_sampler)
+            old_logp[r, :end] = batch["sampler_logp"][r, :end] * mask[r, :end] if from_sampler else logp
             if args.beta > 0:
                 ref_logp[r, :end] = reference_logprobs(ref_model, actor_critic.policy, inputs, args.temperature)
     out = {**batch, "old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values}
@@ -775,7 +783,8 @@ def ppo_step(actor_critic, optimizer, batch: dict, ref_model, kl_ctl: KLControll
     """Steps 2-5 of the header on a scored rollout batch, as ppo.py's loop: pi_old's and pi_ref's log-probs and V_old,
     advantages, the PPO epochs, the KL controller -> (the batch with its advantages and scores, the step's metrics)."""
     batch = old_logprobs_and_values(actor_critic.module if run.ddp and not run.fsdp else actor_critic, ref_model, batch,
-                                    micro, args, autocast)
+                                    micro, args, autocast, args.sampler_logprobs and getattr(run, "sampler_checked",
+                                                                                             False))
     gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * batch["completion_mask"]).sum(),
                       batch["completion_mask"].sum())
     kl_coef = kl_ctl.value
@@ -926,6 +935,10 @@ def check_args(args: Args) -> tuple[int, int]:
     if args.importance_sampling_cap is not None and args.importance_sampling_cap < 1:
         raise ValueError(f"--importance-sampling-cap {args.importance_sampling_cap} must be >= 1, e.g. 2: it caps "
                          f"pi_old / pi_sampler, and below 1 it would shrink every on-policy token; or leave it off")
+    if args.sampler_logprobs and (args.dtype in ("bfloat16", "float16") or args.importance_sampling_cap):
+        raise ValueError("--sampler-logprobs takes pi_old's log-probs from the sampler, which equal the trainer's "
+                         "only with float32 weights: not with --dtype bfloat16/float16 or --importance-sampling-cap "
+                         "(which corrects their gap); drop it")
     if args.target_kl is not None and args.target_kl <= 0:
         raise ValueError(f"--target-kl must be positive (or None: no early stop), got {args.target_kl}")
     if args.lora_r:

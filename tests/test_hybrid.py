@@ -439,8 +439,19 @@ def test_resume_restores_the_value_head_and_the_kl_controller_and_refuses_total_
 # ----------------------------------------------------------------------------- bad input
 
 
+def test_sampler_logprobs_after_the_first_ppo_step(tiny, tmp_path):
+    """--sampler-logprobs (ppo.py's, tested there against the recomputing run): the first PPO step recomputes pi_old
+    and checks the gap; every later PPO step takes the sampler's log-probs, so its logged gap is exactly 0."""
+    rows = [r for r in train_rows(hybrid.main(tiny_args(tiny, tmp_path, sampler_logprobs=True, sft_fraction_start=0.0,
+                                                        sft_fraction_end=0.0, log_every=1, eval_split=None))["run_dir"])
+            if "train/sampler_gap" in r]
+    assert len(rows) == 4 and 0 < rows[0]["train/sampler_gap"] < 1e-5
+    assert [r["train/sampler_gap"] for r in rows[1:]] == [0.0] * 3
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"sft_fraction_start": 1.5}, "--sft-fraction-start must be in [0, 1]"),
+    ({"sampler_logprobs": True, "dtype": "bfloat16"}, "--sampler-logprobs takes pi_old's log-probs from the sampler"),
     ({"sft_fraction_end": -0.1}, "--sft-fraction-end must be in [0, 1]"),
     ({"sft_split": "train"}, "split 'train' has no column ['completion']; available columns: ['prompt', 'answer'] "
                             "(choose with --sft-split, --prompt-column or --completion-column)"),

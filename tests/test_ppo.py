@@ -297,9 +297,26 @@ def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_
     assert doubled["train/tis_capped_frac"] == 1
 
 
+def test_sampler_logprobs_stand_in_for_pi_old_after_the_first_step(tiny, tmp_path):
+    """--sampler-logprobs: step 1 recomputes pi_old (the sampler check sees the float32 gap, ~1e-7); from step 2 pi_old
+    is the sampler's, so the logged gap is exactly 0. The run tracks the recomputing one: the same samples and,
+    to float rounding, the same rewards, KL and losses (one policy forward a step fewer)."""
+    kw = dict(total_steps=3, num_generations=2, beta=0.1, log_every=1, eval_split=None)
+    plain = train_rows(ppo.main(tiny_args(tiny, tmp_path / "plain", **kw))["run_dir"])
+    fast = train_rows(ppo.main(tiny_args(tiny, tmp_path / "fast", sampler_logprobs=True, **kw))["run_dir"])
+    assert 0 < fast[0]["train/sampler_gap"] < 1e-5 and [r["train/sampler_gap"] for r in fast[1:]] == [0.0, 0.0]
+    assert all(r["train/sampler_gap"] > 0 for r in plain)
+    for p, f in zip(plain, fast):
+        for k in ("train/reward", "train/kl", "train/policy_loss", "train/value_loss", "train/approx_kl"):
+            assert f[k] == pytest.approx(p[k], rel=1e-3, abs=1e-5), (f["step"], k)
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"beta": -0.1}, "--beta must be >= 0"),
     ({"importance_sampling_cap": 0.9}, "must be >= 1, e.g. 2"),
+    ({"sampler_logprobs": True, "dtype": "bfloat16"}, "--sampler-logprobs takes pi_old's log-probs from the sampler"),
+    ({"sampler_logprobs": True, "importance_sampling_cap": 2.0}, "not with --dtype bfloat16/float16 or "
+                                                                 "--importance-sampling-cap"),
     ({"kl_controller": "adaptive"}, "--kl-controller adaptive steers beta towards a KL target and needs a positive "
                                     "--kl-target"),
     ({"kl_controller": "step", "kl_target": -1.0}, "needs a positive --kl-target"),
