@@ -156,8 +156,8 @@ class Args:
     """how completions are sampled: shared (generate, each group's prompt prefilled once; fastest on CPU), generate,
     static (static KV cache, compiled on CUDA), paged (continuous batching); see docs/ppo.md"""
     sampler_logprobs: bool = False
-    """pi_old's log-probs from the sampler, as TRL takes them (after step 1, which checks that the two agree); the
-    values share the policy's forward here, so it saves only the head over the vocabulary; needs float32 weights"""
+    """pi_old's log-probs from the sampler, as TRL takes them (the first step of a run or a resume checks that the two
+    agree); the values share the policy's forward here, so it saves only the head over the vocabulary; float32 only"""
     importance_sampling_cap: Optional[float] = None
     """truncated importance sampling (TIS) of the sampler's mismatch: each token's loss times min(pi_old / pi_sampler,
     cap), for backends whose numerics differ from the trainer's (bf16, compiled); None: off"""
