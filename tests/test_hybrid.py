@@ -436,9 +436,6 @@ def test_resume_restores_the_value_head_and_the_kl_controller_and_refuses_total_
         hybrid.main(hybrid.Args(resume=str(run / "checkpoints" / "step_2"), total_steps=8))
 
 
-# ----------------------------------------------------------------------------- bad input
-
-
 def test_sampler_logprobs_after_the_first_ppo_step(tiny, tmp_path):
     """--sampler-logprobs (ppo.py's, tested there against the recomputing run): the first PPO step recomputes pi_old
     and checks the gap; every later PPO step takes the sampler's log-probs, so its logged gap is exactly 0."""
@@ -447,6 +444,9 @@ def test_sampler_logprobs_after_the_first_ppo_step(tiny, tmp_path):
             if "train/sampler_gap" in r]
     assert len(rows) == 4 and 0 < rows[0]["train/sampler_gap"] < 1e-5
     assert [r["train/sampler_gap"] for r in rows[1:]] == [0.0] * 3
+
+
+# ----------------------------------------------------------------------------- bad input
 
 
 @pytest.mark.parametrize("overrides,message", [
