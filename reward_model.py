@@ -292,6 +292,11 @@ def collate_pairs(pairs, pad_id: int):
     return ids, mask, torch.tensor([p[2] for p in pairs], dtype=torch.float32)
 
 
+def shared_prefix(c: list[int], r: list[int]) -> int:
+    """The length of the token prefix two texts share."""
+    return next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), min(len(c), len(r)))
+
+
 def pack_pairs(pairs, pad_id: int):
     """Prefix sharing (arXiv:2410.20305): a pair -> one row chosen + rejected[n:], n the length of the token prefix
     they share. The rejected tail sees the prefix and itself, not the chosen tail, and its positions continue from
@@ -300,7 +305,7 @@ def pack_pairs(pairs, pad_id: int):
         ends [B, 2]: the columns of the chosen and the rejected text's last token, margins [B])."""
     rows, split, shared = [], [], []
     for c, r, *_ in pairs:
-        n = next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), min(len(c), len(r)))
+        n = shared_prefix(c, r)
         rows.append(c + r[n:])
         split.append(len(c))
         shared.append(n)
@@ -385,15 +390,18 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
 @torch.no_grad()
 def score_sequences(model, rows: list[list[int]], pad_id: int, device, autocast, batch_size: int = 256,
                     progress: bool = False) -> torch.Tensor:
-    """Scores of token lists in eval mode -> [N] float32 on the CPU."""
+    """Scores of token lists in eval mode -> [N] float32 on the CPU. Each distinct list is scored once, in length
+    order (less padding)."""
     model.eval()
+    distinct = sorted(set(map(tuple, rows)), key=lambda t: (len(t), t))
     out = []
-    for i in tqdm(range(0, len(rows), batch_size), desc="score", leave=False, disable=not progress):
-        ids, mask = right_pad(rows[i : i + batch_size], pad_id)
+    for i in tqdm(range(0, len(distinct), batch_size), desc="score", leave=False, disable=not progress):
+        ids, mask = right_pad(distinct[i : i + batch_size], pad_id)
         with autocast:
             out.append(sequence_scores(model, ids.to(device), mask.to(device)).cpu())
     model.train()
-    return torch.cat(out)
+    where = {t: k for k, t in enumerate(distinct)}
+    return torch.cat(out)[[where[tuple(r)] for r in rows]]
 
 
 def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = False) -> dict:
@@ -504,6 +512,9 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
     ddp = isinstance(scorer, torch.nn.parallel.DistributedDataParallel)
     packed = (scorer.module if ddp else scorer).packed
     sums = dict.fromkeys(("loss", "correct", "margin", "reward", "pairs", "texts"), 0.0)
+    if len(items) > micro:  # length-sorted micro-batches pad less; the loss is a sum, so the order does not change it
+        items = sorted(items, key=lambda x: max(map(len, x[0])) if rankings else
+                       len(x[0]) + len(x[1]) - shared_prefix(x[0], x[1]) if packed else max(len(x[0]), len(x[1])))
     for k in range(0, len(items), micro):
         chunk, weights, margins = items[k : k + micro], None, None
         with (scorer.no_sync() if ddp and k + micro < len(items) else torch.enable_grad()), autocast:

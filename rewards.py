@@ -802,8 +802,8 @@ def reward_model(completions, *, prompts, model: str = "", device: str = "auto",
                  normalize: bool = False, **_) -> list[float]:
     """Logit `index` of an AutoModelForSequenceClassification (a trained reward model, e.g. the
     final/ folder of reward_model.py) on prompt + completion, as TRL scores reward models.
-    Batches are right-padded, so a decoder's score is read at each text's last real token.
-    normalize=True whitens the score with the `reward_mean` and `reward_std` that reward_model.py
+    Batches are right-padded, so a decoder's score is read at each text's last real token; each distinct
+    text is scored once (GRPO's and PPO's groups repeat texts). normalize=True whitens the score with the `reward_mean` and `reward_std` that reward_model.py
     writes into the model's config.json: (score - mean) / std. A checkpoint that is not a sequence
     classifier (config.architectures of a causal LM, say) is refused, at build time for a local
     folder, else at first use: loaded as a classifier, its score head would be random."""
@@ -836,10 +836,12 @@ def reward_model(completions, *, prompts, model: str = "", device: str = "auto",
     tokenizer, network = load_model("AutoModelForSequenceClassification", **{k: run[k] for k in ("model", "device", "dtype")})
     mean, std = check(network.config.to_dict())
     texts = [p + c for p, c in zip(prompts, completions)] if with_prompt else list(completions)
+    distinct = sorted(set(texts), key=lambda t: (len(t), t))  # each text once, by length: batches pad less
     with torch.inference_mode():
         logits = torch.cat([network(**batch).logits.float().cpu() for batch in _batches(
-            texts, tokenizer, network, batch_size, max_length, padding_side="right")])
-    return ((logits[:, index] - mean) / std).tolist()
+            distinct, tokenizer, network, batch_size, max_length, padding_side="right")])
+    where = {t: i for i, t in enumerate(distinct)}
+    return ((logits[[where[t] for t in texts], index] - mean) / std).tolist()
 
 
 @register("sentiment", requires=("torch", "transformers"))

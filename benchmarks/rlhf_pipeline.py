@@ -44,7 +44,8 @@ REWARD_MODELS = {  # name: reward_model.py flags
     "comparisons": ["--comparisons", "8", "--dataset-split", "train"],  # 2,000 prompts x 8 samples of the SFT model
     "ties": ["--comparisons", "8", "--comparison-prompts", "3000", "--dataset-split", "train", "--no-comparison-rankings",
              "--tie-strength", "1", "--tie-start-step", "800", "--total-steps", "1000", "--batch-size", "128",
-             "--learning-rate", "1e-3", "--warmup-steps", "50", "--eval-every", "250"],  # Bradley-Terry, then the ties too
+             "--micro-batch-size", "32", "--learning-rate", "1e-3", "--warmup-steps", "50",
+             "--eval-every", "250"],  # Bradley-Terry, then the ties too
     "ties_b64": ["--comparisons", "8", "--comparison-prompts", "3000", "--dataset-split", "train",
                  "--no-comparison-rankings", "--tie-strength", "1", "--tie-start-step", "1500", "--total-steps", "2000",
                  "--learning-rate", "1e-3", "--warmup-steps", "50", "--eval-every", "500"],  # its first version
@@ -58,11 +59,13 @@ RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py
     "onpolicy_clip": ("comparisons", VERDICT, []),
     "ties": ("ties", [], [*CENTRED, "--value-model-layers", "1"]),  # the pipeline of docs/reward_model.md
     "ties_b64": ("ties_b64", [], CENTRED),  # its first version: reward model at batch 64, 2,000 steps; full critic
-    "iterated": ("ties", [], [*CENTRED, "--value-model-layers", "1"]),  # "ties", and a second reward model at --pause
+    "iterated": ("ties", [], [*CENTRED, "--value-model-layers", "1", "--sampler-logprobs",
+                              "--micro-batch-size", "64"]),  # "ties", and a second reward model at --pause
 }
 ROUND_TWO = {"iterated": ["--comparisons", "8", "--comparison-prompts", "2000", "--dataset-split", "train",
                           "--no-comparison-rankings", "--tie-strength", "1", "--total-steps", "150", "--batch-size", "128",
-                          "--learning-rate", "3e-4", "--warmup-steps", "20", "--eval-every", "150"]}
+                          "--micro-batch-size", "32", "--learning-rate", "3e-4", "--warmup-steps", "20",
+                          "--eval-every", "150"]}
 
 
 @dataclass

@@ -234,6 +234,37 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding_side(tiny, ar
     assert want.std() > 1e-3  # the sequences do get different scores
 
 
+def test_score_sequences_scores_each_distinct_text_once_in_length_order(tiny, monkeypatch):
+    """Evaluation and the reward statistics: duplicates are scored once and the batches go in length order (less
+    padding), yet each row gets its own text's score, in the rows' order."""
+    model, original, shapes = tiny_classifier(tiny, "qwen2"), rm.sequence_scores, []
+    monkeypatch.setattr(rm, "sequence_scores", lambda m, ids, mask: shapes.append(tuple(ids.shape))
+                        or original(m, ids, mask))
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12], [5, 6, 7, 8, 9, 10], [13, 14, 15, 1], [11, 12]]
+    got = rm.score_sequences(model, rows, 0, torch.device("cpu"), contextlib.nullcontext(), batch_size=2)
+    assert shapes == [(2, 4), (1, 6)]  # 3 distinct texts: the two shorter together, then the longest
+    with torch.no_grad():
+        alone = torch.cat([original(model, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long)) for r in rows])
+    assert torch.allclose(got, alone, atol=1e-5) and alone.std() > 1e-3
+
+
+def test_micro_batches_are_length_sorted(tiny, monkeypatch):
+    """4 packed pairs, 2 a micro-batch: the two short rows go together, then the two long ones (widths 3 and 8, not
+    8 and 8 in the drawn order). That the sum of the micro-batches is the batch's update:
+    test_micro_batches_give_the_same_update."""
+    model, original, widths = tiny_classifier(tiny, "qwen2").train(), rm.pack_pairs, []
+    monkeypatch.setattr(rm, "pack_pairs", lambda pairs, pad_id: widths.append(original(pairs, pad_id)[0].shape[1])
+                        or original(pairs, pad_id))
+    pairs = [([5, 6, 7, 8, 9, 10, 11], [5, 6, 12], 0.0, False),  # packed: 7 + 1 tokens
+             ([5, 6], [5, 7], 0.0, False),                       # 2 + 1
+             ([5, 6, 7, 8, 9, 10, 12], [5, 13], 0.0, False),     # 7 + 1
+             ([5, 8], [5, 9], 0.0, False)]                       # 2 + 1
+    args = rm.Args(batch_size=4)
+    sums, _ = rm.preference_update(rm.PairScorer(model, packed=True), torch.optim.SGD(model.parameters(), lr=0.0),
+                                   pairs, 2, args, 0, 1, torch.device("cpu"), contextlib.nullcontext())
+    assert widths == [3, 8] and sums["pairs"] == 4
+
+
 def test_pack_pairs_layout_hand_checked():
     """Row = chosen + the rejected tokens after the shared prefix; the rejected tail sees the prefix and itself,
     with positions continuing from the prefix; the ends are the two texts' last tokens."""
@@ -409,8 +440,9 @@ def test_learning_on_the_embedded_task(tmp_path):
 def test_instructgpt_pipeline_the_five_commands(tmp_path):
     """docs/reward_model.md's five commands at a tiny budget, on the embedded task: sft.py; reward_model.py
     --comparisons (the SFT model's samples, ranked by correctness: a preference has a right chosen and a wrong rejected
-    answer, a tie two of one kind) trained as pairs, Bradley-Terry then the ties; ppo.py --reward
-    <rm>/final/reward.json --gold-reward, its score centred per prompt, a one-layer critic, paused after step 1 of 2:
+    answer, a tie two of one kind) trained as pairs, Bradley-Terry then the ties, in micro-batches; ppo.py --reward
+    <rm>/final/reward.json --gold-reward, its score centred per prompt, a one-layer critic, the sampler's log-probs,
+    in micro-batches, paused after step 1 of 2:
     PPO's reward is the reward model's alone, the rule reward is logged beside it; reward_model.py again, from the
     first reward model, on comparisons of the paused policy's samples; ppo.py resumed against that one."""
     import ppo
@@ -421,7 +453,8 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path):
     policy = str(Path(sft_out["run_dir"]) / "final")
     rm_out = rm.main(rm.Args(model_name_or_path=policy, comparisons=4, comparison_prompts=24, dataset_split="train",
                              comparison_rankings=False, tie_strength=1.0, tie_start_step=2, output_dir=str(tmp_path / "rm"),
-                             total_steps=3, batch_size=4, eval_limit=16, eval_every=0, warmup_steps=0))
+                             total_steps=3, batch_size=4, micro_batch_size=2, eval_limit=16, eval_every=0,
+                             warmup_steps=0))
     run = Path(rm_out["run_dir"])
     pairs, train = read_jsonl(run / "comparisons.jsonl"), read_jsonl(ROOT / "data/arith/train.jsonl")[:24]
     assert pairs and {p["k"] for p in pairs} == {4} and {p["ranking"] for p in pairs} <= set(range(24))
@@ -437,14 +470,15 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path):
     assert spec == {"type": "reward_model", "model": str((run / "final").resolve()), "normalize": True}
     out = ppo.main(ppo.Args(model_name_or_path=policy, reward=str(run / "final" / "reward.json"),
                             gold_reward="correctness", num_generations=4, prompts_per_step=2,
-                            center_scores_per_prompt=True, value_model_layers=1, output_dir=str(tmp_path / "ppo"),
-                            total_steps=2, pause_at_step=1, eval_split=None, warmup_steps=0))
+                            center_scores_per_prompt=True, value_model_layers=1, sampler_logprobs=True,
+                            micro_batch_size=4, output_dir=str(tmp_path / "ppo"), total_steps=2, pause_at_step=1,
+                            eval_split=None, warmup_steps=0))
     paused = Path(out["run_dir"]) / "checkpoints" / "step_1"
     assert out["interrupted"] and out["step"] == 1 and (paused / "trainer_state.pt").exists()
     rm2 = rm.main(rm.Args(model_name_or_path=str(run / "final"), policy=str(paused), comparisons=4, comparison_prompts=24,
                           dataset_split="train", comparison_rankings=False, tie_strength=1.0,
-                          output_dir=str(tmp_path / "rm2"), total_steps=2, batch_size=4, eval_limit=16, eval_every=0,
-                          warmup_steps=0, learning_rate=3e-4))
+                          output_dir=str(tmp_path / "rm2"), total_steps=2, batch_size=4, micro_batch_size=2,
+                          eval_limit=16, eval_every=0, warmup_steps=0, learning_rate=3e-4))
     rm2_spec = str(Path(rm2["run_dir"]) / "final" / "reward.json")
     assert read_jsonl(Path(rm2["run_dir"]) / "comparisons.jsonl")
     out = ppo.main(ppo.Args(resume=str(paused), reward=rm2_spec))
@@ -626,8 +660,9 @@ def test_rlhf_pipeline_benchmark_runs_and_draws(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
     rlhf_pipeline.main(rlhf_pipeline.Args(  # iterated: PPO paused at step 2, a second reward model, resumed against it
         recipes=("iterated",), seeds=(1,), threads=1, output_dir=str(tmp_path), pause=2,
-        rm_flags="--comparison-prompts 16 --total-steps 2 --tie-start-step 1 --batch-size 4 --eval-limit 8",
-        ppo_flags="--total-steps 3 --prompts-per-step 8 --eval-limit 8 --eval-every 0"))
+        rm_flags="--comparison-prompts 16 --total-steps 2 --tie-start-step 1 --batch-size 4 --micro-batch-size 2 "
+                 "--eval-limit 8",
+        ppo_flags="--total-steps 3 --prompts-per-step 8 --micro-batch-size 16 --eval-limit 8 --eval-every 0"))
     run, rm2 = (rlhf_pipeline.finished(tmp_path, name) for name in ("ppo_iterated_1", "rm2_iterated_1"))
     assert [r["step"] for r in train_rows(run)] == [1, 2, 3]
     assert json.loads((rm2 / "args.json").read_text())["policy"] == str(run / "checkpoints" / "step_2")

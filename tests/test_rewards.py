@@ -515,13 +515,24 @@ def test_model_rewards_are_lazy_and_cached(tiny):
 
 @pytest.mark.parametrize("with_prompt", [True, False])
 def test_reward_model_matches_unbatched_logits(tiny, with_prompt):
+    """Each text's own logit, in the texts' order, though each distinct text is scored once (the last repeats the
+    first) and the batches go in length order."""
     tok, model = _reference(tiny, "AutoModelForSequenceClassification", tiny.reward_model)
-    prompts = ["i am ", "", "the ", "a "]
-    texts = [p + c for p, c in zip(prompts, TEXTS)] if with_prompt else TEXTS
+    prompts, completions = ["i am ", "", "the ", "a ", "i am "], TEXTS + TEXTS[:1]
+    texts = [p + c for p, c in zip(prompts, completions)] if with_prompt else completions
     expected = [model(**tok(t, return_tensors="pt")).logits[0, 0].item() for t in texts]
     spec = {"type": "reward_model", "model": tiny.reward_model, "device": "cpu", "batch_size": 3,
             "with_prompt": with_prompt}
-    assert score(spec, TEXTS, prompts) == pytest.approx(expected, abs=1e-4)
+    _, network = rewards.load_model("AutoModelForSequenceClassification", model=tiny.reward_model, device="cpu",
+                                    dtype="float32")  # the cached one the reward uses
+    rows = []
+    hook = network.register_forward_hook(lambda module, args, kwargs, out: rows.append(len(kwargs["input_ids"])),
+                                         with_kwargs=True)
+    try:
+        assert score(spec, completions, prompts) == pytest.approx(expected, abs=1e-4)
+    finally:
+        hook.remove()
+    assert rows == [3, 1]
 
 
 @pytest.mark.parametrize("kind, probability, sign", [
