@@ -239,9 +239,9 @@ def ranking_pairs(scores: list[float]) -> list[tuple[int, int]]:
             for i, j in itertools.combinations(range(len(scores)), 2) if scores[i] != scores[j]]
 
 
-def tied_pairs(scores: list[float], texts: list[str]) -> list[tuple[int, int]]:
+def tied_pairs(scores: list[float], texts: list) -> list[tuple[int, int]]:
     """The pairs `ranking_pairs` leaves out: equal scores (a tie), of different texts (the same text twice says
-    nothing), in index order."""
+    nothing; texts: strings or token ids), in index order."""
     return [(i, j) for i, j in itertools.combinations(range(len(scores)), 2)
             if scores[i] == scores[j] and texts[i] != texts[j]]
 
@@ -478,12 +478,14 @@ def policy_comparisons(args, tokenizer, flag: str, limit: int, device, progress:
         completion_ids, _ = sample(policy, enc.input_ids.repeat_interleave(K, 0),
                                    enc.attention_mask.repeat_interleave(K, 0), gen)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        # texts the tokenizer makes one ("= 4" and "=4" here) are one text to the reward model: no pair of them
+        seen = [tuple(x) for x in tokenizer([prompts[i + k // K] + y for k, y in enumerate(texts)])["input_ids"]]
         for j in range(len(enc.input_ids)):
-            n, ys = i + j, texts[j * K : (j + 1) * K]
+            n, ys, seen_j = i + j, texts[j * K : (j + 1) * K], seen[j * K : (j + 1) * K]
             values = {c: v[n] for c, v in columns.items()}
             scores = labeler(ys, prompts=[prompts[n]] * K, **{c: [v] * K for c, v in values.items()})
-            pairs = [(a, b, False) for a, b in ranking_pairs(scores)] + [(a, b, True) for a, b in tied_pairs(scores, ys)
-                                                                         if ties]
+            pairs = [(a, b, False) for a, b in ranking_pairs(scores) if seen_j[a] != seen_j[b]] + [
+                (a, b, True) for a, b in tied_pairs(scores, seen_j) if ties]
             rows += [{"prompt": prompts[n], "chosen": ys[a], "rejected": ys[b], **values, "ranking": n, "k": K,
                       **({"tie": tie} if ties else {})} for a, b, tie in pairs]
     return rows

@@ -204,6 +204,26 @@ def test_comparisons_with_ties_write_and_train_them(tmp_path, capsys):
     assert f" {sum(not r['tie'] for r in rows)} training pairs," in capsys.readouterr().out
 
 
+def test_comparisons_leave_out_texts_the_tokenizer_makes_one(tmp_path, monkeypatch):
+    """A policy sampled "= 4" where the tokenizer reads "=4" (the same token ids): to the reward model the two are one
+    text, so no preference or tie of them is written (such a row is refused, and it stopped a run). Samples a, b, b,
+    c with labeler scores 1, 1, 0, 0, a and b one text: rows a > c, b > c and the tie b ~ c, nothing else."""
+    a, b = "<think>8+6=14,0+3+1= 4</think><answer>44</answer>", "<think>8+6=14,0+3+1=4</think><answer>44</answer>"
+    c = "<think>8+6=14,0+3+1=5</think><answer>54</answer>"
+    tok = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny-arith")
+    assert tok("1+2=" + a)["input_ids"] == tok("1+2=" + b)["input_ids"]
+    monkeypatch.setattr(type(tok), "batch_decode", lambda self, ids, **kw: [a, b, b, c] * (len(ids) // 4))
+    labeler = rm.make_reward("correctness")
+    fake = type("Fake", (), {"required_columns": labeler.required_columns,
+                             "__call__": lambda self, ys, **kw: [1.0, 1.0, 0.0, 0.0]})
+    monkeypatch.setattr(rm, "make_reward", lambda spec: fake())
+    out = rm.main(rm.Args(comparisons=4, comparison_prompts=4, dataset_split="train", tie_strength=1.0,
+                          output_dir=str(tmp_path), total_steps=1, batch_size=2, eval_limit=8, eval_every=0,
+                          warmup_steps=0))
+    rows = read_jsonl(Path(out["run_dir"]) / "comparisons.jsonl")
+    assert [(r["chosen"], r["rejected"], r["tie"]) for r in rows] == [(a, c, False), (b, c, False), (b, c, True)] * 4
+
+
 def tiny_classifier(tiny, arch: str):
     torch.manual_seed(0)
     if arch == "qwen2":
