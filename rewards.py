@@ -803,10 +803,11 @@ def reward_model(completions, *, prompts, model: str = "", device: str = "auto",
     """Logit `index` of an AutoModelForSequenceClassification (a trained reward model, e.g. the
     final/ folder of reward_model.py) on prompt + completion, as TRL scores reward models.
     Batches are right-padded, so a decoder's score is read at each text's last real token; each distinct
-    text is scored once (GRPO's and PPO's groups repeat texts). normalize=True whitens the score with the `reward_mean` and `reward_std` that reward_model.py
-    writes into the model's config.json: (score - mean) / std. A checkpoint that is not a sequence
-    classifier (config.architectures of a causal LM, say) is refused, at build time for a local
-    folder, else at first use: loaded as a classifier, its score head would be random."""
+    text is scored once (GRPO's and PPO's groups repeat texts). normalize=True whitens the score with
+    the `reward_mean` and `reward_std` that reward_model.py writes into the model's config.json:
+    (score - mean) / std. A checkpoint that is not a sequence classifier (config.architectures of a
+    causal LM, say) is refused, at build time for a local folder, else at first use: loaded as a
+    classifier, its score head would be random."""
     import torch
 
     run = _model_options(model, device, batch_size, max_length, dtype)
