@@ -30,6 +30,15 @@ def tiny_args(tiny, tmp_path, **kw) -> rm.Args:
     return replace(base, **kw)
 
 
+def benchmark(name: str):
+    """A script of benchmarks/, imported as a module."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
+
+
 def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -182,10 +191,7 @@ def test_comparisons_with_ties_write_and_train_them(tmp_path, capsys):
         mine = [{r["chosen"], r["rejected"]} for r in rows if r["ranking"] == key]
         texts = set().union(*mine)
         assert len(mine) <= 6 and {frozenset(m) for m in mine} == {frozenset(p) for p in itertools.combinations(texts, 2)}
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import rm_calibration  # reads a file with ties: their texts are neither right nor wrong to it
+    rm_calibration = benchmark("rm_calibration")  # reads a file with ties: their texts are neither right nor wrong
 
     scored = rm_calibration.main(rm_calibration.Args(reward_model=str(run / "final"),
                                                      comparisons=str(run / "comparisons.jsonl")))
@@ -486,6 +492,7 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path):
         assert sum(p["ranking"] == key and not p["tie"] for p in pairs) in (0, 3, 4)
     assert read_jsonl(run / "comparisons_test.jsonl") and "eval/comparison_accuracy" in rm_out
     check_calibration_benchmark(run)
+    check_advantage_signal_benchmark(run)
     spec = json.loads((run / "final" / "reward.json").read_text())
     assert spec == {"type": "reward_model", "model": str((run / "final").resolve()), "normalize": True}
     out = ppo.main(ppo.Args(model_name_or_path=policy, reward=str(run / "final" / "reward.json"),
@@ -514,10 +521,7 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path):
 def check_calibration_benchmark(run: Path) -> None:
     """benchmarks/rm_calibration.py on the pipeline's reward model: every distinct right and wrong text of each held-out
     ranking scored once, and a score equal to the classifier's own on that text alone, whitened by final/config.json."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import rm_calibration
+    rm_calibration = benchmark("rm_calibration")
 
     held = read_jsonl(run / "comparisons_test.jsonl")
     scored = rm_calibration.main(rm_calibration.Args(reward_model=str(run / "final"),
@@ -534,6 +538,28 @@ def check_calibration_benchmark(run: Path) -> None:
         (raw - model.config.reward_mean) / model.config.reward_std, abs=1e-4)
 
 
+def check_advantage_signal_benchmark(run: Path) -> None:
+    """benchmarks/advantage_signal.py with the reward model and the gold rule itself as the rewards: the gold's
+    centred score correlates 1 with itself, the reward model's is a correlation, and their mean has a row."""
+    advantage_signal = benchmark("advantage_signal")
+
+    gold, learned = '{"type": "correctness", "wrong": 0}', str(run / "final" / "reward.json")
+    out = advantage_signal.main(advantage_signal.Args(policy=str(ROOT / "models/tiny-arith"), rewards=(learned, gold),
+                                                      prompts=8, num_generations=4))
+    assert out[gold] == pytest.approx(1.0) and -1 <= out[learned] <= 1 and 0 < out["gold"] < 1
+    assert set(out) == {gold, learned, "mean of the rewards", "gold"}
+
+
+def test_advantage_signal_correlation_by_hand():
+    """Scores [[0, 2, 1], [8, 5, 5]] and gold [[0, 1, 0], [1, 0, 0]], each less its row's mean: s = [-1, 1, 0, 2, -1,
+    -1], g = [-1, 2, -1, 2, -1, -1] / 3; s.g = 3, |s|^2 = 8, |g|^2 = 4/3: 3 / sqrt(32 / 3) = 0.918559."""
+    advantage_signal = benchmark("advantage_signal")
+
+    scores, gold = torch.tensor([[0., 2, 1], [8, 5, 5]]), torch.tensor([[0., 1, 0], [1, 0, 0]])
+    c = advantage_signal.centred_correlation(scores, gold)
+    assert c == pytest.approx(3 / math.sqrt(32 / 3)) and c == pytest.approx(0.918559, abs=1e-6)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -542,15 +568,24 @@ def check_calibration_benchmark(run: Path) -> None:
     ([], "holds no comparisons"),
 ])
 def test_calibration_benchmark_refuses_bad_comparisons_before_loading(tmp_path, rows, message):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import rm_calibration
+    rm_calibration = benchmark("rm_calibration")
 
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=re.escape(message)):  # the model path does not exist: nothing was loaded
         rm_calibration.main(rm_calibration.Args(reward_model=str(tmp_path / "no-model"), comparisons=str(path)))
+
+
+@pytest.mark.parametrize("change,error,message", [
+    ({"num_generations": 1}, SystemExit, "--num-generations >= 2"),
+    ({"rewards": ("no_such_reward",)}, ValueError, "no_such_reward"),
+])
+def test_advantage_signal_refuses_bad_input_before_loading(tmp_path, change, error, message):
+    advantage_signal = benchmark("advantage_signal")
+
+    args = replace(advantage_signal.Args(policy=str(tmp_path / "no-model"), rewards=("correctness",)), **change)
+    with pytest.raises(error, match=re.escape(message)):  # the policy path does not exist: nothing was loaded
+        advantage_signal.main(args)
 
 
 def write_prefs(folder: Path, rows: list[dict]) -> Path:
@@ -664,10 +699,7 @@ def test_packed_padding_keeps_position_ids_within_a_learned_position_table(tiny)
 
 def test_rlhf_pipeline_benchmark_runs_and_draws(tmp_path):
     """benchmarks/rlhf_pipeline.py at a tiny budget: both stages of a recipe, the table and the picture."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import rlhf_pipeline
+    rlhf_pipeline = benchmark("rlhf_pipeline")
 
     rlhf_pipeline.main(rlhf_pipeline.Args(
         recipes=("onpolicy_clip",), seeds=(1,), threads=1, output_dir=str(tmp_path), plot=str(tmp_path / "p.png"),
