@@ -35,7 +35,8 @@ def benchmark(name: str):
     import importlib
     import sys
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     return importlib.import_module(name)
 
 
