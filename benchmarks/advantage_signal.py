@@ -34,10 +34,15 @@ class Args:
     dataset: str = "data/arith/test.jsonl"
     """prompt / answer rows"""
     prompts: int = 500
+    """how many prompts, drawn from the dataset in a seeded shuffle"""
     num_generations: int = 4
+    """samples per prompt (the pipeline's ppo.py --num-generations)"""
     temperature: float = 0.7
+    """sampling temperature (ppo.py's default)"""
     max_new_tokens: int = 40
+    """longest completion (ppo.py's --max-completion-length)"""
     seed: int = 0
+    """seeds the prompt shuffle and the sampling"""
 
 
 def centred_correlation(scores: torch.Tensor, gold: torch.Tensor) -> float:
@@ -53,6 +58,8 @@ def main(args: Args) -> dict:
     rewards = [make_reward(spec) for spec in args.rewards]  # bad specs fail here, before any sampling
     gold = make_reward(args.gold)
     rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line.strip()]
+    if not rows or any(not {"prompt", "answer"} <= set(r) for r in rows):
+        raise SystemExit(f"--dataset {args.dataset}: every row needs a prompt and an answer (and there must be rows)")
     random.Random(args.seed).shuffle(rows)
     rows, G = rows[:args.prompts], args.num_generations
     tokenizer, model = AutoTokenizer.from_pretrained(args.policy), AutoModelForCausalLM.from_pretrained(args.policy)

@@ -580,9 +580,13 @@ def test_calibration_benchmark_refuses_bad_comparisons_before_loading(tmp_path, 
 @pytest.mark.parametrize("change,error,message", [
     ({"num_generations": 1}, SystemExit, "--num-generations >= 2"),
     ({"rewards": ("no_such_reward",)}, ValueError, "no_such_reward"),
+    ({"dataset": "no-answers.jsonl"}, SystemExit, "every row needs a prompt and an answer"),
 ])
 def test_advantage_signal_refuses_bad_input_before_loading(tmp_path, change, error, message):
     advantage_signal = benchmark("advantage_signal")
+    if "dataset" in change:
+        change = {"dataset": str(tmp_path / change["dataset"])}
+        Path(change["dataset"]).write_text(json.dumps({"prompt": "1+1="}) + "\n")
 
     args = replace(advantage_signal.Args(policy=str(tmp_path / "no-model"), rewards=("correctness",)), **change)
     with pytest.raises(error, match=re.escape(message)):  # the policy path does not exist: nothing was loaded
