@@ -1,18 +1,18 @@
 """Actor-critic PPO that learns which working-memory capacity n in {4, 6, 9, 12} a task needs.
 
-Before each task a controller picks n slots: more slots solve harder tasks but spend a finite energy budget.
-The difficulty is hidden: it must be read off a noisy 60-dimensional "global workspace" and the controller's
-own recent accuracy. The environment, `CapacityEnv`, is vectorised over --num-envs with torch tensors.
+Before each task a controller picks n slots: more slots solve harder tasks but spend a finite energy budget. The
+difficulty is hidden: it must be read off a noisy 60-dimensional "global workspace" and the controller's own recent
+accuracy. The environment, `CapacityEnv`, is vectorised over --num-envs with torch tensors.
 Equations, metrics, results and how the defaults were chosen: docs/capacity_ppo.md.
 
 Papers: PPO, clipped surrogate (Eq. 7) and objective (Eq. 9), https://arxiv.org/abs/1707.06347; GAE (Eq. 16),
 https://arxiv.org/abs/1506.02438; time limits (bootstrap at truncation only), https://arxiv.org/abs/1712.00378
 
-    python capacity_ppo.py                                   # about 1 min on one CPU core
-    python capacity_ppo.py --capacities 2 4 8 16 --seed 2    # another capacity set
-    python capacity_ppo.py --track --wandb-project-name cap  # log to Weights & Biases
+    python capacity_ppo.py                                          # about 1 min on one CPU core
+    python capacity_ppo.py --capacities 2 4 8 16 --seed 2           # another capacity set
+    python capacity_ppo.py --track --wandb-project-name cap         # log to Weights & Biases
     python capacity_ppo.py --resume runs/<run>/checkpoints/step_N   # continue, bit-identical
-    python plot.py runs/<run>                                # curves from metrics.jsonl
+    python plot.py runs/<run>                                       # curves from metrics.jsonl
 
 Departures from the specification (reasons and measurements in the docs)
 - energy term -energy_cost * n, not -0.1 * energy_used / n^2 (under which a larger n costs less)
@@ -45,21 +45,31 @@ from tqdm import tqdm
 
 @dataclass
 class Args:
-    # --- experiment / tracking
-    exp_name: str = "capacity_ppo"
-    """name of the experiment, part of the run directory name"""
-    seed: int = 1
-    """seed of the agent, the action sampling and the training environments"""
-    torch_deterministic: bool = True
-    """use deterministic torch algorithms where they exist"""
-    track: bool = False
-    """log the run to Weights & Biases"""
-    wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
-    wandb_entity: str | None = None
-    """Weights & Biases team (None: your default)"""
-    output_dir: str = "runs"
-    """where run directories are created"""
+    # --- algorithm
+    num_envs: int = 64
+    """environments stepped together"""
+    num_steps: int = 64
+    """steps per environment in each rollout"""
+    gamma: float = 0.99
+    """discount factor"""
+    gae_lambda: float = 0.8
+    """GAE lambda"""
+    num_minibatches: int = 4
+    """minibatches per epoch; must divide num_envs * num_steps"""
+    update_epochs: int = 10
+    """epochs over each rollout"""
+    norm_adv: bool = True
+    """normalise advantages per minibatch"""
+    clip_coef: float = 0.2
+    """surrogate clipping coefficient"""
+    clip_vloss: bool = False
+    """clip V to +-clip_coef around the rollout's V in the value loss"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    target_kl: float | None = None
+    """stop an update's epochs once the approx-KL exceeds this"""
 
     # --- model / environment
     hidden_size: int = 256
@@ -113,32 +123,6 @@ class Args:
     efficiency_threshold: float = 0.95
     """see --efficiency-bonus"""
 
-    # --- algorithm
-    num_envs: int = 64
-    """environments stepped together"""
-    num_steps: int = 64
-    """steps per environment in each rollout"""
-    gamma: float = 0.99
-    """discount factor"""
-    gae_lambda: float = 0.8
-    """GAE lambda"""
-    num_minibatches: int = 4
-    """minibatches per epoch; must divide num_envs * num_steps"""
-    update_epochs: int = 10
-    """epochs over each rollout"""
-    norm_adv: bool = True
-    """normalise advantages per minibatch"""
-    clip_coef: float = 0.2
-    """surrogate clipping coefficient"""
-    clip_vloss: bool = False
-    """clip V to +-clip_coef around the rollout's V in the value loss"""
-    ent_coef: float = 0.01
-    """entropy bonus coefficient"""
-    vf_coef: float = 0.5
-    """value loss coefficient"""
-    target_kl: float | None = None
-    """stop an update's epochs once the approx-KL exceeds this"""
-
     # --- optimisation
     total_steps: int = 300_000
     """environment steps of training, rounded down to whole iterations"""
@@ -148,10 +132,6 @@ class Args:
     """anneal the learning rate linearly to 0"""
     max_grad_norm: float = 0.5
     """global gradient-norm clip"""
-    device: str = "cpu"
-    """torch device (cpu is as fast as cuda for this small network)"""
-    torch_threads: int = 1
-    """CPU threads for torch (1 is fastest here)"""
 
     # --- logging / checkpointing
     eval_every: int = 50_000
@@ -163,8 +143,27 @@ class Args:
     save_every: int = 0
     """checkpoint every this many environment steps (0: only at the end)"""
     resume: str | None = None
-    """checkpoint runs/<run>/checkpoints/step_N to continue with the run's arguments (only cadence, tracking and
-    device flags may differ)"""
+    """checkpoint runs/<run>/checkpoints/step_N to continue, with the run's arguments"""
+
+    # --- experiment / tracking / device
+    exp_name: str = "capacity_ppo"
+    """name of the experiment, part of the run directory name"""
+    seed: int = 1
+    """seed of the agent, the action sampling and the training environments"""
+    torch_deterministic: bool = True
+    """use deterministic torch algorithms where they exist"""
+    track: bool = False
+    """log the run to Weights & Biases"""
+    wandb_project_name: str = "cleanrl-llm"
+    """Weights & Biases project"""
+    wandb_entity: str | None = None
+    """Weights & Biases team (None: your default)"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+    device: str = "cpu"
+    """torch device (cpu is as fast as cuda for this small network)"""
+    torch_threads: int = 1
+    """CPU threads for torch (1 is fastest here)"""
 
     # --- computed at run time
     batch_size: tyro.conf.Suppress[int] = 0
@@ -178,8 +177,6 @@ class Args:
 
 
 OBS_SCALARS = 7  # difficulty estimate, rolling accuracy, budget, previous capacity, dwell, error rate, time
-DWELL_SCALE = 10.0  # steps at a capacity are observed as min(steps, 10) / 10
-ROLLING_ACC_RATE, ERROR_RATE_RATE = 0.2, 0.5  # EMA rates of rolling accuracy and recent error rate
 
 
 # --- environment
@@ -187,18 +184,20 @@ ROLLING_ACC_RATE, ERROR_RATE_RATE = 0.2, 0.5  # EMA rates of rolling accuracy an
 
 def task_accuracy(capacity, difficulty, args: Args):
     """Expected accuracy p(n, d) of capacity n at difficulty d: a psychometric curve."""
-    required = difficulty * args.slots_at_max_difficulty
-    return args.chance_accuracy + (1.0 - args.chance_accuracy) * torch.sigmoid((capacity - required)
-                                                                               / args.accuracy_temperature)
+    margin = (capacity - difficulty * args.slots_at_max_difficulty) / args.accuracy_temperature
+    return args.chance_accuracy + (1.0 - args.chance_accuracy) * torch.sigmoid(margin)
 
 
 def reward_terms(accuracy, capacity, prev_capacity, args: Args, energy_used=None) -> dict:
     """Signed reward terms, all [N], summing to the reward; energy_used (--energy-term spec) includes this step."""
-    up, down = capacity > prev_capacity, capacity < prev_capacity
+    up = capacity > prev_capacity
+    down = capacity < prev_capacity
+    energy = -args.energy_cost * capacity
+    if args.energy_term == "spec":
+        energy = -0.1 * energy_used / capacity**2
     return {
         "accuracy": args.accuracy_weight * accuracy,
-        "energy": (-args.energy_cost * capacity if args.energy_term == "linear"
-                   else -0.1 * energy_used / capacity**2),
+        "energy": energy,
         "switch": -args.switch_penalty * (up | down).float(),
         "escalation": args.escalation_bonus * (up & (accuracy < args.escalation_threshold)).float(),
         "efficiency": args.efficiency_bonus * (down & (accuracy > args.efficiency_threshold)).float(),
@@ -216,7 +215,9 @@ class CapacityEnv:
     so policies evaluated from the same seed face the same difficulties."""
 
     def __init__(self, args: Args, num_envs: int, seed: int, device="cpu"):
-        self.args, self.num_envs, self.device = args, num_envs, torch.device(device)
+        self.args = args
+        self.num_envs = num_envs
+        self.device = torch.device(device)
         self.capacities = torch.tensor(args.capacities, dtype=torch.float32, device=self.device)
         self.regime_means = torch.tensor(args.regime_means, dtype=torch.float32, device=self.device)
         # part of the task, not of the run: the same for every seed
@@ -229,59 +230,68 @@ class CapacityEnv:
     def _rand(self, *shape, fn=torch.rand):
         return fn(*shape, generator=self.generator, device=self.device)
 
+    def _regimes(self):
+        return self._rand(0, len(self.regime_means), (self.num_envs,), fn=torch.randint)
+
+    def _noisy(self, difficulty):
+        return (difficulty + self.args.difficulty_noise * self._rand(self.num_envs, fn=torch.randn)).clamp(0.0, 1.0)
+
     def _fresh_state(self) -> dict:
-        n, a = self.num_envs, self.args
-        full = lambda value: torch.full((n,), value, device=self.device)
-        regime = self._rand(0, len(a.regime_means), (n,), fn=torch.randint)
-        difficulty = (self.regime_means[regime] + a.difficulty_noise * self._rand(n, fn=torch.randn)).clamp(0.0, 1.0)
-        return dict(regime=regime, difficulty=difficulty, budget=full(a.energy_budget), t=full(0.0),
-                    prev_action=torch.zeros(n, dtype=torch.long, device=self.device),  # the smallest capacity
+        a = self.args
+        full = lambda value: torch.full((self.num_envs,), value, device=self.device)  # noqa: E731
+        regime = self._regimes()
+        return dict(regime=regime, difficulty=self._noisy(self.regime_means[regime]), budget=full(a.energy_budget),
+                    t=full(0.0), prev_action=full(0),  # the smallest capacity
                     dwell=full(0.0), rolling_acc=full(0.5), error_rate=full(0.5), episode_return=full(0.0))
 
     def _observe(self, noise):
         """noise: [N, workspace_dim + 1] (workspace units, difficulty estimate) -> [N, obs_dim]."""
         a, s = self.args, self.state
-        workspace = torch.tanh(a.workspace_signal * (2.0 * s["difficulty"][:, None] - 1.0) * self.workspace_code
-                               + a.workspace_noise * noise[:, :-1])
+        signal = a.workspace_signal * (2.0 * s["difficulty"][:, None] - 1.0) * self.workspace_code
+        workspace = torch.tanh(signal + a.workspace_noise * noise[:, :-1])
         scalars = torch.stack([
             (s["difficulty"] + a.estimate_noise * noise[:, -1]).clamp(0.0, 1.0), s["rolling_acc"],
             s["budget"].clamp(min=0.0) / a.energy_budget, s["prev_action"].float() / (len(a.capacities) - 1),
-            s["dwell"].clamp(max=DWELL_SCALE) / DWELL_SCALE, s["error_rate"], s["t"] / a.max_episode_steps,
+            s["dwell"].clamp(max=10.0) / 10.0, s["error_rate"], s["t"] / a.max_episode_steps,
         ], dim=1)
         return torch.cat([workspace, scalars], dim=1)
 
+    def _noise(self):
+        return self._rand(self.num_envs, self.args.workspace_dim + 1, fn=torch.randn)
+
     def reset(self):
         self.state = self._fresh_state()
-        self.obs = self._observe(self._rand(self.num_envs, self.args.workspace_dim + 1, fn=torch.randn))
+        self.obs = self._observe(self._noise())
         return self.obs
 
     def step(self, action):
         """action: [N] -> next_obs [N, D], reward, terminated, truncated [N], info. Where an episode ended,
         next_obs starts the next one; info["final_obs"] is its end."""
-        a, s, n = self.args, self.state, self.num_envs
-        capacity, prev_capacity = self.capacities[action], self.capacities[s["prev_action"]]
+        a, s = self.args, self.state
+        capacity = self.capacities[action]
         # 1. solve the task: items_per_step Bernoulli(p(n, d)) items
         p = task_accuracy(capacity, s["difficulty"], a)
-        accuracy = (self._rand(n, a.items_per_step) < p[:, None]).float().mean(dim=1)
-        terms = reward_terms(accuracy, capacity, prev_capacity, a, a.energy_budget - s["budget"] + capacity)
+        accuracy = (self._rand(self.num_envs, a.items_per_step) < p[:, None]).float().mean(dim=1)
+        energy_used = a.energy_budget - s["budget"] + capacity
+        terms = reward_terms(accuracy, capacity, self.capacities[s["prev_action"]], a, energy_used)
         reward = sum(terms.values())
-        # 2. bookkeeping: energy, time, dwell, running statistics
+        # 2. bookkeeping: energy, time, dwell, running statistics (EMAs of rate 0.2 and 0.5)
         s["budget"] -= capacity
         s["t"] += 1
         s["dwell"] = torch.where(action == s["prev_action"], s["dwell"] + 1, torch.ones_like(s["dwell"]))
         s["prev_action"] = action.clone()
-        s["rolling_acc"] += ROLLING_ACC_RATE * (accuracy - s["rolling_acc"])
-        s["error_rate"] += ERROR_RATE_RATE * (1.0 - accuracy - s["error_rate"])
+        s["rolling_acc"] += 0.2 * (accuracy - s["rolling_acc"])
+        s["error_rate"] += 0.5 * (1.0 - accuracy - s["error_rate"])
         s["episode_return"] += reward
         terminated = s["budget"] <= 0
         truncated = (s["t"] >= a.max_episode_steps) & ~terminated
         # 3. the task stream moves on: regime switches, then mean reversion with noise
-        switch = self._rand(n) < a.regime_switch_prob
-        s["regime"] = torch.where(switch, self._rand(0, len(a.regime_means), (n,), fn=torch.randint), s["regime"])
+        switch = self._rand(self.num_envs) < a.regime_switch_prob
+        s["regime"] = torch.where(switch, self._regimes(), s["regime"])
         drift = a.difficulty_drift * (self.regime_means[s["regime"]] - s["difficulty"])
-        s["difficulty"] = (s["difficulty"] + drift + a.difficulty_noise * self._rand(n, fn=torch.randn)).clamp(0.0, 1.0)
+        s["difficulty"] = self._noisy(s["difficulty"] + drift)
         # 4. observe, then reset finished episodes (fresh draws every step keep the random stream action-free)
-        noise = self._rand(n, a.workspace_dim + 1, fn=torch.randn)
+        noise = self._noise()
         info = {"final_obs": self._observe(noise), "capacity": capacity, "terms": terms,
                 "episode_return": s["episode_return"].clone(), "episode_length": s["t"].clone()}
         fresh = self._fresh_state()
@@ -312,8 +322,8 @@ def normalize_advantages(advantages):
     return (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
 
-def clipped_policy_loss(new_logp, old_logp, advantages, clip_coef: float):
-    """Clipped surrogate, Eq. 7 of arXiv:1707.06347, negated. All [B] -> (loss, approx_kl (k3), clip_frac)."""
+def mean_clipped_policy_loss(new_logp, old_logp, advantages, clip_coef: float):
+    """Clipped surrogate, Eq. 7 of arXiv:1707.06347, negated, averaged. All [B] -> (loss, approx_kl, clip_frac)."""
     log_ratio = new_logp - old_logp
     ratio = log_ratio.exp()
     loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef)).mean()
@@ -323,7 +333,7 @@ def clipped_policy_loss(new_logp, old_logp, advantages, clip_coef: float):
     return loss, approx_kl, clip_frac
 
 
-def value_loss(new_values, old_values, returns, clip_coef: float, clip: bool = True):
+def unmasked_value_loss(new_values, old_values, returns, clip_coef: float, clip: bool = True):
     """L^VF of Eq. 9 of arXiv:1707.06347, 0.5 * squared error, optionally clipped around the rollout's values
     (element-wise max, as in baselines' ppo2). All [B] -> []."""
     unclipped = (new_values - returns) ** 2
@@ -333,8 +343,8 @@ def value_loss(new_values, old_values, returns, clip_coef: float, clip: bool = T
     return 0.5 * torch.max(unclipped, (clipped - returns) ** 2).mean()
 
 
-def explained_variance(predicted, target) -> float:
-    """1 - Var[target - predicted] / Var[target]; nan when the target is constant."""
+def unmasked_explained_variance(predicted, target) -> float:
+    """1 - Var[target - predicted] / Var[target], both [B]; nan when the target is constant."""
     var = target.var()
     return float("nan") if var == 0 else float(1.0 - (target - predicted).var() / var)
 
@@ -383,32 +393,32 @@ class Agent(nn.Module):
 
 
 @torch.no_grad()
-def rollout(agent: Agent, env: CapacityEnv, args: Args) -> tuple[dict, dict]:
+def env_rollout(agent: Agent, env: CapacityEnv, args: Args) -> tuple[dict, dict]:
     """num_steps steps of every environment -> (batch, metrics). batch: obs [T, N, D]; actions, logprobs, values,
     rewards, terminated, dones, next_values [T, N] (V(s_{t+1}), of the state an episode ended in where it ended)."""
-    keys = ("obs", "actions", "logprobs", "values", "rewards", "terminated", "dones", "next_values")
-    b, ep_returns, ep_lengths, term_sums = {k: [] for k in keys}, [], [], {}
+    steps, terms, returns, lengths = [], [], [], []
     for _ in range(args.num_steps):
         obs = env.obs
         action, logprob, _, value = agent.get_action_and_value(obs)
         _, reward, terminated, truncated, info = env.step(action)
-        done, next_value = terminated | truncated, torch.zeros_like(value)
+        done = terminated | truncated
+        next_value = torch.zeros_like(value)
         if done.any():  # V of the state each finished episode ended in (used only where it was truncated)
             next_value[done] = agent.get_value(info["final_obs"][done])
-            ep_returns.append(info["episode_return"][done]), ep_lengths.append(info["episode_length"][done])
-        for k, v in zip(keys, (obs, action, logprob, value, reward, terminated.float(), done.float(), next_value)):
-            b[k].append(v)
-        for name, term in info["terms"].items():
-            term_sums[name] = term_sums.get(name, 0.0) + term.sum()
-    b = {k: torch.stack(v) for k, v in b.items()}
+        steps.append(dict(obs=obs, actions=action, logprobs=logprob, values=value, rewards=reward,
+                          terminated=terminated.float(), dones=done.float(), next_values=next_value))
+        terms.append(info["terms"])
+        returns.append(info["episode_return"][done])
+        lengths.append(info["episode_length"][done])
+    b = {k: torch.stack([step[k] for step in steps]) for k in steps[0]}
     following = torch.cat([b["values"][1:], agent.get_value(env.obs)[None]])
     b["next_values"] = torch.where(b["dones"].bool(), b["next_values"], following)
     stats = {"charts/mean_capacity": env.capacities[b["actions"]].mean().item(),
-             **{f"rewards/{name}": (total / b["rewards"].numel()).item() for name, total in term_sums.items()},
+             **{f"rewards/{k}": torch.stack([t[k] for t in terms]).mean().item() for k in terms[0]},
              "rewards/total": b["rewards"].mean().item()}
-    if ep_returns:
-        stats["charts/episodic_return"] = torch.cat(ep_returns).mean().item()
-        stats["charts/episodic_length"] = torch.cat(ep_lengths).mean().item()
+    if torch.cat(returns).numel():
+        stats["charts/episodic_return"] = torch.cat(returns).mean().item()
+        stats["charts/episodic_length"] = torch.cat(lengths).mean().item()
     return b, stats
 
 
@@ -417,13 +427,12 @@ def update(agent: Agent, optimizer, batch: dict, args: Args) -> dict:
     b = {k: v.flatten(0, 1) for k, v in batch.items()}
     clipfracs = []
     for epoch in range(args.update_epochs):
-        permutation = torch.randperm(args.batch_size, device=b["obs"].device)
-        for start in range(0, args.batch_size, args.minibatch_size):
-            mb = permutation[start:start + args.minibatch_size]
+        for mb in torch.randperm(args.batch_size, device=b["obs"].device).split(args.minibatch_size):
             _, new_logp, entropy, new_value = agent.get_action_and_value(b["obs"][mb], b["actions"][mb])
             mb_adv = normalize_advantages(b["advantages"][mb]) if args.norm_adv else b["advantages"][mb]
-            pg_loss, approx_kl, clip_frac = clipped_policy_loss(new_logp, b["logprobs"][mb], mb_adv, args.clip_coef)
-            v_loss = value_loss(new_value, b["values"][mb], b["returns"][mb], args.clip_coef, args.clip_vloss)
+            pg_loss, approx_kl, clip_frac = mean_clipped_policy_loss(new_logp, b["logprobs"][mb], mb_adv,
+                                                                     args.clip_coef)
+            v_loss = unmasked_value_loss(new_value, b["values"][mb], b["returns"][mb], args.clip_coef, args.clip_vloss)
             entropy_loss = entropy.mean()
             loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss  # Eq. 9 of arXiv:1707.06347
             optimizer.zero_grad()
@@ -438,7 +447,7 @@ def update(agent: Agent, optimizer, batch: dict, args: Args) -> dict:
         "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
         "losses/entropy": entropy_loss.item(), "losses/approx_kl": approx_kl.item(),
         "losses/clipfrac": float(np.mean(clipfracs)), "losses/epochs": epoch + 1,
-        "losses/explained_variance": explained_variance(b["values"], b["returns"]),
+        "losses/explained_variance": unmasked_explained_variance(b["values"], b["returns"]),
     }
 
 
@@ -446,35 +455,42 @@ def update(agent: Agent, optimizer, batch: dict, args: Args) -> dict:
 def evaluate(args: Args, agent: Agent, device) -> dict:
     """Greedy agent, oracle, each fixed capacity and a uniform random policy on the same num_eval_envs episodes."""
     random_gen = torch.Generator(device=device).manual_seed(args.eval_seed + 1)
-    policies = {"learned": lambda obs, env: agent.greedy(obs),
-                "oracle": lambda obs, env: oracle_actions(env.state["difficulty"], env.capacities, args),
-                "random": lambda obs, env: torch.randint(0, len(env.capacities), (len(obs),), generator=random_gen,
-                                                         device=device),
-                **{f"fixed_{c}": lambda obs, env, i=i: torch.full((len(obs),), i, device=device)
+    size = (args.num_eval_envs,)
+    policies = {"learned": lambda env: agent.greedy(env.obs),
+                "oracle": lambda env: oracle_actions(env.state["difficulty"], env.capacities, args),
+                "random": lambda env: torch.randint(len(args.capacities), size, generator=random_gen, device=device),
+                **{f"fixed_{c}": lambda env, i=i: torch.full(size, i, device=device)
                    for i, c in enumerate(args.capacities)}}
-    runs = {}  # name -> (mean return, mean capacity, switches per step)
+    returns = {}
     for name, policy in policies.items():
         env = CapacityEnv(args, args.num_eval_envs, args.eval_seed, device)
-        obs, alive = env.reset(), torch.ones(args.num_eval_envs, dtype=torch.bool, device=device)
-        total, used, switches, steps = 0, 0, 0, 0
+        env.reset()
+        alive = torch.ones(size, dtype=torch.bool, device=device)
+        total = used = switches = steps = 0
         for _ in range(args.max_episode_steps):
-            prev, action = env.state["prev_action"], policy(obs, env)
-            obs, reward, terminated, truncated, info = env.step(action)
-            total, used = total + reward * alive, used + (info["capacity"] * alive).sum()
-            switches, steps = switches + ((action != prev) & alive).sum(), steps + alive.sum()
+            action = policy(env)
+            switches = switches + ((action != env.state["prev_action"]) & alive).sum()
+            _, reward, terminated, truncated, info = env.step(action)
+            total = total + reward * alive
+            used = used + (info["capacity"] * alive).sum()
+            steps = steps + alive.sum()
             alive &= ~(terminated | truncated)
             if not alive.any():
                 break
-        runs[name] = (total.mean().item(), used.item() / steps.item(), switches.item() / steps.item())
-    best_fixed = max(args.capacities, key=lambda c: runs[f"fixed_{c}"][0])
-    ret, oracle, fixed, rand = (runs[k][0] for k in ("learned", "oracle", f"fixed_{best_fixed}", "random"))
+        returns[name] = total.mean().item()
+        if name == "learned":
+            mean_capacity = used.item() / steps.item()
+            switch_rate = switches.item() / steps.item()
+    best_fixed = max(args.capacities, key=lambda c: returns[f"fixed_{c}"])
+    fixed = returns[f"fixed_{best_fixed}"]
+    ret, oracle, rand = returns["learned"], returns["oracle"], returns["random"]
     return {
         "eval/return": ret, "eval/oracle_return": oracle, "eval/best_fixed_return": fixed, "eval/random_return": rand,
         "eval/best_fixed_capacity": best_fixed,
         "eval/gap_closed": (ret - fixed) / (oracle - fixed) if oracle != fixed else float("nan"),
         "eval/oracle_advantage": (oracle - fixed) / (oracle - rand) if oracle != rand else float("nan"),
-        "eval/mean_capacity": runs["learned"][1], "eval/switch_rate": runs["learned"][2],
-        **{f"eval/fixed_{c}_return": runs[f"fixed_{c}"][0] for c in args.capacities},
+        "eval/mean_capacity": mean_capacity, "eval/switch_rate": switch_rate,
+        **{f"eval/fixed_{c}_return": returns[f"fixed_{c}"] for c in args.capacities},
     }
 
 
@@ -483,25 +499,15 @@ def evaluate(args: Args, agent: Agent, device) -> dict:
 
 def main(args: Args) -> dict:
     args, run_dir, resume_state = start_run(args)  # checks, run directory, args.json, W&B: plumbing below
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
     previous_threads = torch.get_num_threads()  # restored at the end, for callers that import main
-    torch.set_num_threads(args.torch_threads)
-    device = torch.device(args.device)
 
-    # 0. environments, agent, optimizer (on --resume with the checkpoint's state and RNGs)
-    env = CapacityEnv(args, args.num_envs, args.seed, device)
-    agent = load_agent(args.resume, device) if resume_state else Agent(env.obs_dim, len(args.capacities),
-                                                                        args.hidden_size, args.head_size).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    env.reset()
-    iteration, global_step = restore_state(resume_state, optimizer, env) if resume_state else (0, 0)
-    eval_metrics = evaluate(args, agent, device)
+    # 0. seeds, environments, agent, optimizer (on --resume the checkpoint's weights, state and RNGs)
+    env, agent, optimizer, iteration, global_step = setup(args, resume_state)
+    eval_metrics = evaluate(args, agent, args.device)
     if args.resume is None:
         log_metrics(run_dir, {"step": 0, **eval_metrics}, args.track)
-    start_time, start_step = time.time(), global_step
+    start_time = time.time()
+    start_step = global_step
     progress = tqdm(range(iteration + 1, args.num_iterations + 1), desc="capacity_ppo", unit="it")
     state = capture_state(agent, optimizer, env, iteration, global_step)  # what Ctrl-C saves
     try:
@@ -510,62 +516,87 @@ def main(args: Args) -> dict:
                 optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / args.num_iterations) * args.learning_rate
 
             # 1. roll out the current policy in every environment for num_steps steps
-            batch, rollout_stats = rollout(agent, env, args)
+            batch, rollout_stats = env_rollout(agent, env, args)
             global_step += args.batch_size
 
             # 2. advantages with GAE (Eq. 16 of arXiv:1506.02438), bootstrapping at truncation only
-            batch["advantages"], batch["returns"] = compute_gae(*(batch[k] for k in (
-                "rewards", "values", "next_values", "terminated", "dones")), args.gamma, args.gae_lambda)
+            advantages, returns = compute_gae(batch["rewards"], batch["values"], batch["next_values"],
+                                              batch["terminated"], batch["dones"], args.gamma, args.gae_lambda)
+            batch["advantages"] = advantages
+            batch["returns"] = returns
 
             # 3. update_epochs passes of minibatch SGD on the clipped objective (Eq. 9 of arXiv:1707.06347)
             update_stats = update(agent, optimizer, batch, args)
 
             # 4. log; evaluate and checkpoint when global_step passes a multiple of eval_every / save_every
-            row = {"step": global_step, "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                   "charts/SPS": int((global_step - start_step) / (time.time() - start_time)),
+            sps = int((global_step - start_step) / (time.time() - start_time))
+            row = {"step": global_step, "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/SPS": sps,
                    **rollout_stats, **update_stats}
-            if iteration == args.num_iterations or args.eval_every and global_step % args.eval_every < args.batch_size:
-                eval_metrics = evaluate(args, agent, device)
+            if iteration == args.num_iterations or passed_multiple(global_step, args.eval_every, args):
+                eval_metrics = evaluate(args, agent, args.device)
                 row.update(eval_metrics)
                 progress.set_postfix(eval_return=f"{eval_metrics['eval/return']:.2f}",
                                      gap_closed=f"{eval_metrics['eval/gap_closed']:.2f}")
             log_metrics(run_dir, row, args.track)
             state = capture_state(agent, optimizer, env, iteration, global_step)
-            if args.save_every and global_step % args.save_every < args.batch_size and iteration < args.num_iterations:
+            if passed_multiple(global_step, args.save_every, args) and iteration < args.num_iterations:
                 save_checkpoint(run_dir, state, args)
     except KeyboardInterrupt:  # the interrupted iteration's partial work is dropped; resuming redoes it exactly
-        global_step = state["global_step"]
-        print(f"\ninterrupted: saving the state at step {global_step}")
+        print(f"\ninterrupted: saving the state at step {state['global_step']}")
     finally:
         progress.close()
-
-    checkpoint = save_checkpoint(run_dir, state, args)
-    print_eval_table(eval_metrics, args)
-    print(f"run directory: {run_dir}\ncheckpoint: {checkpoint}")
-    if args.track:
-        import wandb
-
-        wandb.finish()
-    torch.set_num_threads(previous_threads)
-    return {**eval_metrics, "step": global_step, "run_dir": str(run_dir), "checkpoint": str(checkpoint)}
+    return finish_run(run_dir, state, eval_metrics, args, previous_threads)
 
 
-# ---- plumbing: input checks, resume, run directory, metrics, W&B, checkpoints (a reader need not modify it)
+# ---- plumbing: set-up, input checks, resume, run directory, metrics, W&B, checkpoints (a reader need not modify it)
+
+
+def setup(args: Args, resume_state: dict | None) -> tuple:
+    """Seeds, threads, environments, agent, Adam; on --resume the checkpoint's weights, optimizer, environment state
+    and RNGs -> (env, agent, optimizer, completed iterations, global step)."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.torch_threads)
+    env = CapacityEnv(args, args.num_envs, args.seed, args.device)
+    agent = Agent(env.obs_dim, len(args.capacities), args.hidden_size, args.head_size).to(args.device)
+    if resume_state:
+        agent = load_agent(args.resume, args.device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    env.reset()
+    if not resume_state:
+        return env, agent, optimizer, 0, 0
+    optimizer.load_state_dict(resume_state["optimizer"])
+    env.state = {k: v.to(env.device) for k, v in resume_state["env"]["state"].items()}
+    env.obs = resume_state["env"]["obs"].to(env.device)
+    env.generator.set_state(resume_state["env"]["generator"])
+    torch.set_rng_state(resume_state["torch_rng"])
+    np.random.set_state(resume_state["numpy_rng"])
+    random.setstate(resume_state["python_rng"])
+    return env, agent, optimizer, resume_state["iteration"], resume_state["global_step"]
+
+
+def passed_multiple(global_step: int, every: int, args: Args) -> bool:
+    """Whether the last iteration took global_step past a multiple of every (never when every is 0)."""
+    return every > 0 and global_step % every < args.batch_size
 
 
 def check_args(args: Args) -> None:
     """Raise ValueError naming the bad flag and the fix, before any work is done."""
-    caps, batch = list(args.capacities), args.num_envs * args.num_steps
-    if len(caps) < 2 or min(caps) <= 0 or caps != sorted(set(caps)):
-        raise ValueError(f"--capacities must list at least two positive integers in strictly increasing order, "
-                         f"e.g. 4 6 9 12 (got {caps})")
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "max_episode_steps", "items_per_step",
                  "num_eval_envs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    caps = list(args.capacities)
+    batch = args.num_envs * args.num_steps
+    divisors = [d for d in range(2, 65) if batch % d == 0][:4]
     for failed, message in [
+        (len(caps) < 2 or min(caps) <= 0 or caps != sorted(set(caps)),
+         f"--capacities must list at least two positive integers in strictly increasing order, e.g. 4 6 9 12 "
+         f"(got {caps})"),
         (batch % args.num_minibatches, f"--num-minibatches {args.num_minibatches} does not divide the batch size "
-         f"{batch} (--num-envs x --num-steps); pick one of {[d for d in range(2, 65) if batch % d == 0][:4]}"),
+         f"{batch} (--num-envs x --num-steps); pick one of {divisors}"),
         (args.total_steps < batch, f"--total-steps {args.total_steps} is smaller than one rollout ({batch} = "
          f"--num-envs x --num-steps); raise it or shrink the rollout"),
         (not args.regime_means or not all(0 <= m <= 1 for m in args.regime_means),
@@ -597,12 +628,13 @@ def saved_args(checkpoint) -> Args:
 
 def start_run(args: Args) -> tuple[Args, Path, dict | None]:
     """Arguments (on --resume the run's own), checks, run directory, args.json, W&B -> (args, run_dir, state)."""
-    overrides, state = {}, None
+    overrides = {}
     if args.resume is not None and (Path(args.resume) / "args.json").is_file():
-        given, args, defaults = args, saved_args(args.resume), Args()
+        given = args
+        args = saved_args(given.resume)
         for name in Args.__dataclass_fields__:
             new, old = getattr(given, name), getattr(args, name)
-            if name in RESUME_IGNORES or new == getattr(defaults, name) or new == old:
+            if name in RESUME_IGNORES or new == getattr(Args(), name) or new == old:
                 continue
             if name not in RESUME_MAY_CHANGE:
                 raise ValueError(f"--{name.replace('_', '-')} {new} differs from the run's {old!r} ({given.resume}/"
@@ -620,19 +652,21 @@ def start_run(args: Args) -> tuple[Args, Path, dict | None]:
         print(f"--total-steps {args.total_steps} is not a whole number of iterations of {args.batch_size} steps "
               f"(--num-envs x --num-steps): training {args.num_iterations * args.batch_size} steps "
               f"({args.num_iterations} iterations)")
+    state = None
     if args.resume is None:
         args.run_name = f"capacity__{args.exp_name}__{args.seed}__{int(time.time())}"
-        run_dir, record = Path(args.output_dir) / args.run_name, asdict(args)
+        run_dir = Path(args.output_dir) / args.run_name
         run_dir.mkdir(parents=True, exist_ok=True)
-    else:  # args.json keeps the run's arguments and lists what each resume changed
+        record = asdict(args)
+    else:  # args.json keeps the run's arguments and lists what each resume changed; metrics after the step go
         run_dir = Path(args.resume).resolve().parent.parent
         args.run_name = run_dir.name
         record = json.loads((run_dir / "args.json").read_text())
         record.setdefault("resumed", []).append({"checkpoint": str(args.resume), "overrides": overrides})
         state = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False)
         if (metrics := run_dir / "metrics.jsonl").is_file():
-            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-            metrics.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= state["global_step"]))
+            lines = metrics.read_text().splitlines()
+            metrics.write_text("".join(f"{r}\n" for r in lines if r and json.loads(r)["step"] <= state["global_step"]))
     (run_dir / "args.json").write_text(json.dumps(record, indent=2))
     if args.track:
         import wandb
@@ -651,15 +685,6 @@ def log_metrics(run_dir: Path, row: dict, track: bool) -> None:
         wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
 
-def print_eval_table(m: dict, args: Args) -> None:
-    print("| policy | mean episode return |\n|---|---|")
-    for name, key in [("learned (greedy)", "return"), ("oracle", "oracle_return"),
-                      *((f"fixed n={c}", f"fixed_{c}_return") for c in args.capacities), ("random", "random_return")]:
-        print(f"| {name} | {m['eval/' + key]:.2f} |")
-    print(f"\ngap closed (learned - best fixed) / (oracle - best fixed): {m['eval/gap_closed']:.3f}\n"
-          f"oracle advantage (oracle - best fixed) / (oracle - random): {m['eval/oracle_advantage']:.3f}")
-
-
 def capture_state(agent, optimizer, env, iteration: int, global_step: int) -> dict:
     """Copy of everything a resumed run needs to continue exactly (iteration = completed iterations)."""
     return copy.deepcopy({
@@ -667,18 +692,6 @@ def capture_state(agent, optimizer, env, iteration: int, global_step: int) -> di
         "env": {"state": env.state, "obs": env.obs, "generator": env.generator.get_state()}, "iteration": iteration,
         "global_step": global_step, "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
         "python_rng": random.getstate()})
-
-
-def restore_state(state: dict, optimizer, env) -> tuple[int, int]:
-    """Load a checkpoint's trainer state -> (completed iterations, global step)."""
-    optimizer.load_state_dict(state["optimizer"])
-    env.state = {k: v.to(env.device) for k, v in state["env"]["state"].items()}
-    env.obs = state["env"]["obs"].to(env.device)
-    env.generator.set_state(state["env"]["generator"])
-    torch.set_rng_state(state["torch_rng"])
-    np.random.set_state(state["numpy_rng"])
-    random.setstate(state["python_rng"])
-    return state["iteration"], state["global_step"]
 
 
 def save_checkpoint(run_dir: Path, state: dict, args: Args) -> Path:
@@ -701,6 +714,24 @@ def load_agent(checkpoint, device="cpu") -> Agent:
     agent = Agent(args.workspace_dim + OBS_SCALARS, len(args.capacities), args.hidden_size, args.head_size)
     agent.load_state_dict(load_file(str(Path(checkpoint) / "agent.safetensors"), device=str(device)))
     return agent.to(device)
+
+
+def finish_run(run_dir: Path, state: dict, m: dict, args: Args, threads: int) -> dict:
+    """Final checkpoint, the table of evaluation returns, W&B closed, torch's threads restored -> main's result."""
+    checkpoint = save_checkpoint(run_dir, state, args)
+    print("| policy | mean episode return |\n|---|---|")
+    for name, key in [("learned (greedy)", "return"), ("oracle", "oracle_return"),
+                      *((f"fixed n={c}", f"fixed_{c}_return") for c in args.capacities), ("random", "random_return")]:
+        print(f"| {name} | {m['eval/' + key]:.2f} |")
+    print(f"\ngap closed (learned - best fixed) / (oracle - best fixed): {m['eval/gap_closed']:.3f}\n"
+          f"oracle advantage (oracle - best fixed) / (oracle - random): {m['eval/oracle_advantage']:.3f}\n"
+          f"run directory: {run_dir}\ncheckpoint: {checkpoint}")
+    if args.track:
+        import wandb
+
+        wandb.finish()
+    torch.set_num_threads(threads)
+    return {**m, "step": state["global_step"], "run_dir": str(run_dir), "checkpoint": str(checkpoint)}
 
 
 if __name__ == "__main__":

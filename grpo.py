@@ -117,7 +117,7 @@ class Args:
     """nucleus sampling threshold (1: off)"""
     top_k: int = 0
     """sample among the k most likely tokens (0: off)"""
-    generation_backend: Literal["shared", "generate", "static", "paged"] = "shared"
+    generation_backend: Literal["shared", "static"] = "shared"
     """how completions are sampled: shared (generate, each group's prompt prefilled once; fastest on CPU), generate,
     static (static KV cache, compiled on CUDA), paged (continuous batching); see docs/grpo.md"""
     reward: str = DEFAULT_SPEC
@@ -176,7 +176,7 @@ class Args:
     """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
 
     # --- logging / checkpointing
@@ -629,7 +629,6 @@ def check_args(args: Args) -> int:
             import peft  # noqa: F401
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    check_data(args, {"dataset_split": None, "eval_split": None})
     return micro
 
 
@@ -703,20 +702,8 @@ def main(args: Args) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     order = DataOrder(len(prompt_ids), args.seed * 1000 + rank)
-    if args.resume:
-        if run.fsdp:
-            run.load_sharded(args.resume)
-        elif args.lora_r:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            set_peft_model_state_dict(raw_model, load_file(Path(args.resume) / "adapter_model.safetensors", device=str(device)))
-        else:
-            raw_model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.resume, dtype=weights_dtype).state_dict())
-        state = run.load_state()
-        if not run.fsdp:
-            optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+    state = run.restore(raw_model, optimizer, scheduler)
+    if state:
         reward.load_state_dict(state["reward"])
         order.load(state)
         lr_anchor = state["lr_anchor"]
@@ -812,30 +799,29 @@ def main(args: Args) -> dict:
 
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
-# Byte-identical in grpo, ppo, dpo, hybrid, reward_model and sft (tests/test_lifecycle.py); what differs is passed in.
+# A reader need not modify it. A function here with the same name in another script is the same text there.
 
 
 def answer_matches(text: str, answer) -> bool:
     """The text's <answer>...</answer> equals the reference (numerically where both parse)."""
     m = re.search(r"<answer>(.*?)</answer>", text, re.S)
-    got, want = (m.group(1).strip() if m else None), str(answer).strip()
+    got = m.group(1).strip() if m else None
     try:
-        return float(got) == float(want)
+        return float(got) == float(answer)
     except (TypeError, ValueError):
-        return got == want
+        return got == str(answer).strip()
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=None, batch_size=128,
-                    progress=False):
+def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids, progress=False, batch_size=128):
     """Greedy decoding on left-padded batches -> (accuracy, [(prompt, completion, answer)])."""
     model.eval()
     samples = []
     for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(model.device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids or
-                             tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids,
+                             pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
         samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
     model.train()
@@ -843,18 +829,18 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids=
 
 
 def lm_head(model, dtype: torch.dtype) -> dict:
-    """The output head as kernels.linear_token_logprobs takes it: its weight and bias, and the logit scale (Cohere;
-    Granite divides) and final soft-capping (Gemma 2, 3) of the config, so log-probs are of the model's own logits."""
-    head, config, bias = model.get_output_embeddings(), model.config, getattr(model.get_output_embeddings(), "bias", None)
+    """The output head as kernels.linear_token_logprobs takes it: weight, bias, and the config's logit scale (Cohere;
+    Granite divides) and final soft-capping (Gemma 2, 3), so that log-probs are of the model's own logits."""
+    head, config = model.get_output_embeddings(), model.config
+    bias = getattr(head, "bias", None)
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
     return {"weight": head.weight.to(dtype), "bias": None if bias is None else bias.to(dtype),
             "logit_scale": None if scale == 1.0 else scale, "softcap": getattr(config, "final_logit_softcapping", None)}
 
 
 class SampledLogprobs:
-    """Last of generate's logits processors (its temperature comes after): the log-prob each token was sampled with,
-    scores[token] / T - logsumexp(scores / T), read one step later when the token is in input_ids. Keeps the step's
-    scores (generate's own tensor) and a logsumexp per row, never a log-softmax of the vocabulary."""
+    """Last of generate's logits processors (temperature comes after it): the log-prob each token was sampled with,
+    scores[token] / T - logsumexp(scores / T), read one step later when the token is in input_ids."""
 
     def __init__(self, temperature: float):
         self.temperature, self.scores, self.lse, self.logp = temperature, None, None, []
@@ -870,72 +856,44 @@ class SampledLogprobs:
 
 
 def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
-    """One batched sampling call on left-padded prompts -> the completions [B, Tc] (padded after EOS) and the log-probs
-    the sampler drew them with [B, Tc]. --generation-backend: generate (transformers' generate, dynamic KV cache);
-    shared (the same, but each run of identical rows, a group, is prefilled once and its cache repeated); static (a
-    static KV cache: on CUDA transformers compiles the decode step, CUDA graphs); paged (continuous batching,
-    generate_batch: paged attention, prompt blocks shared, the sampler's own log-probs)."""
-    from transformers import ContinuousBatchingConfig, DynamicCache  # only the sampling scripts get here
+    """One sampling call on left-padded prompts -> the completions [B, Tc] (padded after EOS) and the log-probs the
+    sampler drew them with [B, Tc]. shared: transformers' generate, each run of identical rows (a group) prefilled once
+    and its KV cache repeated; static: a static KV cache (on CUDA transformers compiles the decode step)."""
+    from transformers import DynamicCache
 
-    training, _ = model.training, model.eval()  # in training mode gradient checkpointing turns the KV cache off
+    training = model.training
+    model.eval()  # in training mode gradient checkpointing turns the KV cache off
+    seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
+    if backend == "static":  # its cache takes the keys' dtype; under bf16 autocast RoPE makes keys float32 and
+        # values stay bf16, which it cannot hold: so it samples in the weights' own dtype, autocast off
+        gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
+        precision = torch.autocast(ids.device.type, enabled=False)
+    rows, counts = torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
+    if backend == "shared" and len(rows) < len(ids) and ids.shape[1] > 1:  # all but the last prompt token, once a group
+        unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=unique_ids[:, :-1], attention_mask=unique_mask[:, :-1], past_key_values=cache,
+              position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
+        cache.batch_repeat_interleave(counts)
+        extra["past_key_values"] = cache
     try:
-        if backend == "paged":
-            prompts = [row[keep].tolist() for row, keep in zip(ids, mask.bool())]
-            # sized to the batch (left to itself it sizes the cache to the device's free memory: 18 s to set up on CPU);
-            # seeded from torch's generator, so runs repeat; a processor it cannot apply is an error, not dropped
-            pages = len(prompts) * -(-(ids.shape[1] + gen_config.max_new_tokens) // 32)
-            batching = ContinuousBatchingConfig(return_logprobs=True, page_size=32, num_blocks=pages,
-                                                max_batch_tokens=8192, seed=int(torch.randint(2**31, ())),
-                                                drop_unsupported_processors=False)
-            done = list(model.generate_batch(prompts, gen_config, batching).values())
-            if len(done) != len(prompts) or any(d.error for d in done):
-                raise RuntimeError(f"generate_batch finished {len(done)} of {len(prompts)} requests; see its log above")
-            width = max(len(d.generated_tokens) for d in done)
-            pad = lambda rows, value, dtype: torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
-            return (pad([d.generated_tokens for d in done], gen_config.pad_token_id, torch.long).to(ids.device),
-                    pad([d.logprobs for d in done], 0.0, torch.float32).to(ids.device))
-        seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
-        if backend == "static":  # its cache takes the keys' dtype; under bf16 autocast RoPE makes keys float32 and
-            # values stay bf16, which it cannot hold: so it samples in the weights' own dtype, autocast off
-            gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
-            precision = torch.autocast(ids.device.type, enabled=False)
-        rows, counts = (torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
-                        if backend == "shared" else (ids, None))
-        if len(rows) < len(ids) and ids.shape[1] > 1:  # shared: all but the last prompt token, once a group
-            unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)
-            cache = DynamicCache(config=model.config)
-            model(input_ids=unique_ids[:, :-1], attention_mask=unique_mask[:, :-1], past_key_values=cache,
-                  position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
-            cache.batch_repeat_interleave(counts)
-            extra["past_key_values"] = cache
         with precision:  # (--fsdp samples with whole weights: no lockstep)
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
                                  logits_processor=[seen], synced_gpus=False, **extra)
-        completion_ids = out[:, ids.shape[1]:]
-        return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
     finally:
         model.train(training)
-
-
-class Forward(torch.nn.Module):
-    """fn(module, *args) as a module's forward, so that DDP and FSDP2, which act around forward, see it (a frozen
-    reference's log-probs, read off its decoder and lm_head)."""
-
-    def __init__(self, fn: Callable, module):
-        super().__init__()
-        self.fn, self.module = fn, module
-
-    def forward(self, *args, **kwargs):
-        return self.fn(self.module, *args, **kwargs)
+    completion_ids = out[:, ids.shape[1]:]
+    return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 
 
 def sampler_gap(run, gap_sum, tokens) -> float:
     """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
     a gap beyond float rounding stops the run (the update would be silently off-policy): 1e-3 with float32 weights and
-    no autocast; 0.25 with bfloat16 (a margin, not a GPU measurement: bf16 weights on CPU give ~1e-3)."""
+    no autocast; 0.25 with bfloat16 (a margin: bf16 weights on CPU give ~1e-3)."""
     exact = run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda")
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
-    gap, tolerance = float(total[0] / total[1].clamp(min=1)), 1e-3 if exact else 0.25
+    gap = float(total[0] / total[1].clamp(min=1))
+    tolerance = 1e-3 if exact else 0.25
     if not getattr(run, "sampler_checked", False) and gap > tolerance:
         raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
                          f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature) of the "
@@ -952,8 +910,9 @@ def own_generation_config(model, tokenizer) -> list[int]:
     """Sampling and greedy evaluation follow this script's flags alone: of the checkpoint's generation_config only the
     special tokens are kept (transformers fills every field a script leaves unset from it, e.g. a repetition_penalty,
     and the sampler would no longer be softmax(logits / T)); the fields dropped are named once. -> the EOS ids."""
-    old, kept = model.generation_config, ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
-                                          "_from_model_config", "use_cache", "output_attentions", "output_hidden_states")
+    old = model.generation_config
+    kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
+            "output_attentions", "output_hidden_states")
     eos = sorted({tokenizer.eos_token_id} | set(np.atleast_1d(old.eos_token_id or []).tolist()))
     dropped = [f"{k}={v}" for k, v in old.to_diff_dict().items() if k not in kept]
     model.generation_config = type(old)(bos_token_id=old.bos_token_id, eos_token_id=eos,
@@ -967,27 +926,64 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
     """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
-    single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none)."""
-    split, path, option = getattr(args, flag), Path(args.dataset), "--" + flag.replace("_", "-")
-    if path.is_dir():
-        ds = load_dataset("json", data_files={split: str(path / f"{split}.jsonl")}, split=split)
-    elif not path.is_file():
-        ds = load_dataset(args.dataset, split=split)
-    else:
-        ds = load_dataset("json", data_files=str(path), split="train")
-        if any(getattr(args, f) for f in vars(args) if f.endswith("eval_split")):
-            if len(ds) < 2:
-                raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
-            parts = ds.train_test_split(test_size=0.1, seed=0)
-            if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
-                print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
-                      f"for evaluation, {len(parts['train'])} train; a folder of <split>.jsonl files chooses the splits")
-            ds = parts["test" if "eval" in flag else "train"]
-    missing = [c for c in columns if c not in ds.column_names]
+    single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none).
+    Bad data is one line naming the file and the line; a folder's missing splits are named together."""
+    split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
+    file = path / f"{split}.jsonl" if path.is_dir() else path
+    splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
+    have = sorted(f.stem for f in path.glob("*.jsonl")) if path.is_dir() else []
+    missing = {f: s for f, s in splits.items() if path.is_dir() and s not in have}
+    if missing:
+        fixes = [f"--{f.replace('_', '-')} {'None' if 'eval' in f else '|'.join(have) or '<split>'}" for f in missing]
+        raise ValueError(f"split not found: {path} has no {', '.join(s + '.jsonl' for s in missing.values())} (its "
+                         f"splits: {', '.join(have) or 'none'}): pass {' '.join(fixes)} (None skips an eval split)")
+    if not path.exists():
+        check_local_or_hub("dataset", args.dataset)
+    try:
+        if path.is_dir():
+            ds = load_dataset("json", data_files={split: str(file)}, split=split)
+        elif path.is_file():
+            ds = load_dataset("json", data_files=str(path), split="train")
+        else:
+            ds = load_dataset(args.dataset, split=split)
+        problem = None
+    except Exception as e:  # the loader's error, or the file's first bad line
+        if not file.is_file():
+            raise
+        problem = json_lines_problem(file, option) or f"{type(e).__name__}: {e}"
+    missing = [c for c in columns if problem is None and c not in ds.column_names]
+    if missing and file.is_file():  # e.g. rows that are JSON lists
+        problem = json_lines_problem(file, option)
+    if problem:
+        raise ValueError(f"{file}{problem}")
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
+    if path.is_file() and any(splits.get(f) for f in splits if "eval" in f):
+        if len(ds) < 2:
+            raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
+        parts = ds.train_test_split(test_size=0.1, seed=0)
+        if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
+            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
+                  f"for evaluation, {len(parts['train'])} train; a folder of <split>.jsonl files chooses the splits")
+        ds = parts["test" if "eval" in flag else "train"]
     return ds
+
+
+def json_lines_problem(file: Path, option: str) -> Optional[str]:
+    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why', or None."""
+    rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
+    if not rows:
+        return " is empty: it needs at least one JSON line"
+    skip = f" (or skip this split: {option} None)" if "eval" in option else ""
+    for i, line in rows:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f", line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}"
+        if not isinstance(row, dict):
+            return f", line {i}: expected a JSON object with named columns, got {type(row).__name__}{skip}"
+    return None
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
@@ -1013,48 +1009,17 @@ def check_local_or_hub(kind: str, name: str) -> bool:
     return False
 
 
-def check_data(args, problems: dict[str, Optional[Callable[[dict], Optional[str]]]]) -> None:
-    """The split of each flag in `problems` (unless None) exists, each line is a JSON object that passes the split's
-    row check, and there is one; missing splits are named together, with the flags that fix them."""
-    if not check_local_or_hub("dataset", args.dataset):
-        return
-    path, splits = Path(args.dataset).expanduser(), {f: getattr(args, f) for f in problems if getattr(args, f)}
-    have = sorted(f.stem for f in path.glob("*.jsonl")) if path.is_dir() else []
-    missing = {f: s for f, s in splits.items() if path.is_dir() and s not in have}
-    if missing:
-        fixes = [f"--{f.replace('_', '-')} {'None' if 'eval' in f else '|'.join(have) or '<split>'}" for f in missing]
-        raise ValueError(f"split not found: {path} has no {', '.join(s + '.jsonl' for s in missing.values())} (its "
-                         f"splits: {', '.join(have) or 'none'}): pass {' '.join(fixes)} (None skips an eval split)")
-    for flag, split in splits.items():
-        file = path / f"{split}.jsonl" if path.is_dir() else path
-        rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
-        if not rows:
-            raise ValueError(f"{file} is empty: it needs at least one JSON line")
-        for i, line in rows:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
-            wrong = f"expected a JSON object with named columns, got {type(row).__name__}" if not isinstance(
-                row, dict) else problems[flag](row) if problems[flag] else None
-            if wrong:
-                raise ValueError(f"{file}, line {i}: {wrong}" + (f" (or skip this split: --{flag.replace('_', '-')} "
-                                                                 f"None)" if "eval" in flag else ""))
-
-
 def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
-    """The checks every script makes before any work: counts, device and dtype, model folders, W&B login."""
+    """The checks every script makes before any work: counts, device, model folders, --fsdp."""
     for name in positive + non_negative:
-        if getattr(args, name) <= 0 if name in positive else getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be {'positive' if name in positive else '>= 0'}, "
+        low = name in positive and getattr(args, name) <= 0
+        if low or getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be {'positive' if low else '>= 0'}, "
                              f"got {getattr(args, name)}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         raise ValueError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU here: use --device cpu (or auto)")
-    if args.dtype == "float16":
-        raise ValueError("--dtype float16 trains to inf/nan within a step or two (float16 weights and AdamW moments, "
-                         "no loss scaling): use --dtype bfloat16, or auto (float32 weights, bfloat16 autocast on CUDA)")
     for name in model_paths:
         path = Path(name).expanduser()
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
@@ -1062,14 +1027,6 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
                              f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
     if getattr(args, "fsdp", False):
         check_fsdp(args)
-    if args.track and os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled"):
-        try:
-            import wandb
-
-            wandb.login(verify=False)
-        except Exception as e:
-            raise ValueError(f"--track: {e} Run `wandb login` (or set WANDB_API_KEY), or log locally with "
-                             f"WANDB_MODE=offline") from None
 
 
 def check_fsdp(args) -> None:
@@ -1085,8 +1042,10 @@ def check_fsdp(args) -> None:
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
         raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights and "
                          f"optimizer states, per process): pass a complete checkpoint of the run")
-    config = (AutoConfig.for_model(**json.loads(Path(args.model_config).read_text())) if getattr(args, "model_config",
-              None) else AutoConfig.from_pretrained(args.model_name_or_path))
+    if getattr(args, "model_config", None):
+        config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
+    else:
+        config = AutoConfig.from_pretrained(args.model_name_or_path)
     with torch.device("meta"):
         decoder_layers(AutoModel.from_config(config))
 
@@ -1171,9 +1130,10 @@ class Run:
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
         self.args, self.overrides, self.shown, self.ddp = args, overrides, shown, "LOCAL_RANK" in os.environ
+        self.rank, self.world = 0, 1
         if self.ddp:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = getattr(args, "fsdp", False), [], None  # trained: (root, optimizer)
@@ -1190,16 +1150,31 @@ class Run:
         self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
-    def load_state(self) -> Optional[dict]:
-        """--resume: trainer_state.pt, with this process's share of `per_rank` and the RNG states restored."""
+    def restore(self, model, optimizer, scheduler) -> dict:
+        """--resume: the trained weights (this process's shards under --fsdp, the LoRA adapters, or the whole model),
+        the optimizer's and scheduler's states and the RNGs -> trainer_state.pt's entries ({} on a new run)."""
         if not self.args.resume:
-            return None
-        state = torch.load(Path(self.args.resume) / "trainer_state.pt", weights_only=False)
+            return {}
+        path = Path(self.args.resume)
+        if self.fsdp:
+            self.load_sharded(path)
+        elif getattr(self.args, "lora_r", 0):
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(self.device)))
+        else:
+            dtype = next(model.parameters()).dtype
+            model.load_state_dict(type(model).from_pretrained(path, dtype=dtype).state_dict())
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
         state.update({k: v[self.rank].clone() for k, v in state.pop("per_rank").items()})
         random.setstate(state["python_rng"])
         np.random.set_state(state["numpy_rng"])
         torch.set_rng_state(state["torch_rng"])
         self.start = self.step = state["step"]
+        if not self.fsdp:
+            optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
         return state
 
     def shard(self, module, layers: list):
@@ -1209,7 +1184,9 @@ class Run:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world,))
-        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if self.device.type == "cuda" else MixedPrecisionPolicy()
+        mp = MixedPrecisionPolicy()
+        if self.device.type == "cuda":
+            mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         self.sharded.append(fully_shard(module, mesh=mesh, mp_policy=mp))
@@ -1235,18 +1212,14 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model) -> Optional[dict]:
-        """--fsdp: the model's whole state dict on rank 0's CPU, gathered a tensor at a time (every process takes part);
-        None elsewhere and without FSDP."""
-        from torch.distributed.tensor import DTensor
+        """--fsdp: the model's whole state dict on rank 0's CPU (every process takes part); None elsewhere and without
+        FSDP."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
             return None
-        state, gathered = model.state_dict(keep_vars=True), {}  # by tensor: tied weights stay one, as HF expects
-        for v in state.values():
-            if id(v) not in gathered:
-                whole = v.full_tensor() if isinstance(v, DTensor) else v
-                gathered[id(v)] = whole.detach().cpu() if self.rank == 0 else None
-        return {k: gathered[id(v)] for k, v in state.items()} if self.rank == 0 else None
+        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return whole if self.rank == 0 else None
 
     def load_sharded(self, path) -> None:
         """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
@@ -1296,13 +1269,14 @@ class Run:
         row gets perf/peak_gb, the peak of torch.cuda.max_memory_allocated so far (rank 0's)."""
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
-        if self.rank == 0:
-            with (self.dir / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            self.first, self.last = {**metrics, **self.first}, {**self.last, **metrics}
-            if self.wandb:
-                extra = {table[0]: self.wandb.Table(columns=table[1], data=table[2])} if table and table[2] else {}
-                self.wandb.log({**metrics, **extra}, step=metrics["step"])
+        if self.rank != 0:
+            return
+        with (self.dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self.first, self.last = {**metrics, **self.first}, {**self.last, **metrics}
+        if self.wandb:
+            extra = {table[0]: self.wandb.Table(columns=table[1], data=table[2])} if table and table[2] else {}
+            self.wandb.log({**metrics, **extra}, step=metrics["step"])
 
     def say(self, text: str) -> None:
         if self.rank == 0:
@@ -1339,7 +1313,7 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:
+        if args.track and self.rank == 0:  # (no login: wandb.init says how to log in, or WANDB_MODE=offline)
             import wandb
 
             self.wandb = wandb
@@ -1356,8 +1330,8 @@ class Run:
                   f"saving)", file=sys.stderr, flush=True)
 
     def __exit__(self, kind, *exc):  # after a Ctrl-C, or if started with SIGINT ignored (`&`), Ctrl-C quits at once
-        signal.signal(signal.SIGINT, signal.default_int_handler if self.stop or self.previous == signal.SIG_IGN
-                      else self.previous)
+        quit_at_once = self.stop or self.previous == signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous)
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
@@ -1370,7 +1344,8 @@ class Run:
         for step in range(self.start + 1, self.args.total_steps + 1):
             self.step, t0 = step, time.perf_counter()
             yield step
-            self.steps_done, self.seconds = self.steps_done + 1, self.seconds + time.perf_counter() - t0
+            self.steps_done += 1
+            self.seconds += time.perf_counter() - t0
             self.report()
             if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
                 self.evaluate(measure)

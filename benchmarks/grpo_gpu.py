@@ -8,7 +8,7 @@ The model is built from a config (24 layers, 896 wide, 14 heads / 2 KV heads, vo
 no download) with the embedded tokenizer; a random model samples ids the tokenizer does not know, which decode
 to nothing, so the reward is mostly 0: this measures speed, not learning. grpo.py's default work (64 prompts x
 G = 8 completions of up to 40 tokens, bf16 autocast on CUDA, beta 0) for --steps steps: as is, under each other
---generation-backend (generate, static, paged), with bfloat16 weights (`--dtype bfloat16`, alone and with the
+--generation-backend (static), with bfloat16 weights (`--dtype bfloat16`, alone and with the
 static backend), with --gradient-checkpointing, and with --lora-r 16. The table gives
 the medians of grpo.py's own `perf/*_s` (generation, scoring, training, whole step) over the steps after the first
 (the first compiles and captures), and torch.cuda.max_memory_allocated.
@@ -28,7 +28,7 @@ import grpo  # noqa: E402
 
 SETTINGS = {
     "default": ("default (bf16 autocast, --generation-backend shared)", {}),
-    **{b: (f"--generation-backend {b}", {"generation_backend": b}) for b in ("generate", "static", "paged")},
+    "static": ("--generation-backend static", {"generation_backend": "static"}),
     "bf16": ("--dtype bfloat16", {"dtype": "bfloat16"}),
     "bf16-static": ("--dtype bfloat16 --generation-backend static", {"dtype": "bfloat16", "generation_backend": "static"}),
     "checkpointing": ("--gradient-checkpointing", {"gradient_checkpointing": True}),
@@ -48,7 +48,7 @@ def save_model(model_dir: Path) -> None:
     AutoTokenizer.from_pretrained(ROOT / "models/tiny-arith").save_pretrained(model_dir)
 
 
-def main(steps: int = 6, names: tuple[str, ...] = ("default", "generate", "static", "paged", "checkpointing", "lora")) -> None:
+def main(steps: int = 6, names: tuple[str, ...] = ("default", "static", "checkpointing", "lora")) -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/grpo_gpu.py needs a CUDA GPU")
     tmp = tempfile.mkdtemp()

@@ -11,8 +11,8 @@ weights, no autocast), the setting under which grpo.py's static backend compiles
 skips the accuracy (a model with random weights scores 0).
 
 Identical work: models/tiny-arith, prompts of data/arith train, rewards.DEFAULT_SPEC (one function for
-both), G = 8, 64 completions per step (8 prompts), at most 40 new tokens, temperature 1 (no top-k /
-top-p), beta 0.04 with the k3 KL to a frozen reference, one update per batch, loss type `dapo`
+both), G = 8, 64 completions per step (8 prompts), at most 40 new tokens, temperature 1 (plain
+multinomial sampling), beta 0.04 with the k3 KL to a frozen reference, one update per batch, loss type `dapo`
 (TRL's default), group-scaled advantages, clip 0.2, AdamW(0.9, 0.99) at a constant learning rate
 without warmup, gradient clipping at 1, dropout off, float32, the same number of threads. TRL runs
 twice: with gradient checkpointing (its GRPOConfig default, which recomputes the forward pass in the
@@ -64,7 +64,7 @@ class Args:
     seed: int = 1
     """seed of both runs"""
     backends: tuple[str, ...] = ("shared",)
-    """grpo.py's --generation-backend(s), one run each (e.g. --backends shared static paged on a GPU)"""
+    """grpo.py's --generation-backend(s), one run each (e.g. --backends shared static on a GPU)"""
     grpo_micro_batch_size: int = 32
     """grpo.py's completions per forward/backward (sorted by length, so less padding than one batch of 64)"""
     dtype: Literal["auto", "bfloat16"] = "auto"

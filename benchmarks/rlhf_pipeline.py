@@ -59,7 +59,7 @@ RECIPES = {  # name: (reward model, postprocess of its whitened score for ppo.py
     "onpolicy_clip": ("comparisons", VERDICT, []),
     "ties": ("ties", [], [*CENTRED, "--value-model-layers", "1"]),  # the pipeline of docs/reward_model.md
     "ties_b64": ("ties_b64", [], CENTRED),  # its first version: reward model at batch 64, 2,000 steps; full critic
-    "iterated": ("ties", [], [*CENTRED, "--value-model-layers", "1", "--sampler-logprobs",
+    "iterated": ("ties", [], [*CENTRED, "--value-model-layers", "1",
                               "--micro-batch-size", "64"]),  # "ties", and a second reward model at --pause
 }
 ROUND_TWO = {"iterated": ["--comparisons", "8", "--comparison-prompts", "2000", "--dataset-split", "train",

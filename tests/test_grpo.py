@@ -579,30 +579,6 @@ def test_lora_without_peft_names_the_fix(tiny, tmp_path, monkeypatch):
         grpo.main(tiny_args(tiny, tmp_path, lora_r=8))
 
 
-def test_step_profile_benchmark_runs():
-    """benchmarks/grpo_step_profile.py end to end with few repeats (timings meaningless here): its
-    tables come out, and the FLOP counts have the shape of the algorithm: the policy's forward +
-    backward is about 3 forward passes, the reference's forward 1."""
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grpo_step_profile.py"), "--steps", "3",
-                           "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
-                                              for line in done.stdout.splitlines() if line.startswith("| "))}
-    assert {"generate", "score", "train", "step", "`generate`, wall", "matmul (mm, addmm)"} <= set(rows)
-    policy, reference = float(rows["policy forward + backward"][1]), float(rows["reference forward"][1])
-    assert reference > 0 and 2.5 < policy / reference < 3.5
-
-
-def test_sampling_benchmark_tabulates_every_backend():
-    """benchmarks/sampling.py at a toy batch (timings meaningless here): a row per backend, the ratio to generate."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import sampling
-
-    out = sampling.main(sampling.Args(prompts=3, group=2, max_new_tokens=6, warmup=0, repeats=1, threads=1))
-    assert list(out) == ["generate", "shared", "static", "paged"]
-    assert all(r["s"] > 0 and r["tok_s"] > 0 for r in out.values())
-
-
 def head_models():
     """Tiny causal LMs whose logits are not hidden @ lm_head.weight.T."""
     from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GraniteConfig,
