@@ -1,18 +1,17 @@
 """Actor-critic PPO that learns which working-memory capacity n in {4, 6, 9, 12} a task needs.
 
-Before each task a controller picks n slots: more slots solve harder tasks but spend a finite energy budget. The
-difficulty is hidden: it must be read off a noisy 60-dimensional "global workspace" and the controller's own recent
-accuracy. The environment, `CapacityEnv`, is vectorised over --num-envs with torch tensors.
-Equations, metrics, results and how the defaults were chosen: docs/capacity_ppo.md.
+Before each task a controller picks n slots: more slots solve harder tasks but spend a finite energy budget. It
+reads the hidden difficulty off a noisy 60-dimensional "global workspace" and its own recent accuracy. The
+environment, `CapacityEnv`, is vectorised with torch tensors. Details: docs/capacity_ppo.md.
 
 Papers: PPO, clipped surrogate (Eq. 7) and objective (Eq. 9), https://arxiv.org/abs/1707.06347; GAE (Eq. 16),
 https://arxiv.org/abs/1506.02438; time limits (bootstrap at truncation only), https://arxiv.org/abs/1712.00378
 
-    python capacity_ppo.py                                          # about 1 min on one CPU core
-    python capacity_ppo.py --capacities 2 4 8 16 --seed 2           # another capacity set
-    python capacity_ppo.py --track --wandb-project-name cap         # log to Weights & Biases
+    python capacity_ppo.py                                   # about 1 min on one CPU core
+    python capacity_ppo.py --capacities 2 4 8 16 --seed 2    # another capacity set
+    python capacity_ppo.py --track --wandb-project-name cap  # log to Weights & Biases
     python capacity_ppo.py --resume runs/<run>/checkpoints/step_N   # continue, bit-identical
-    python plot.py runs/<run>                                       # curves from metrics.jsonl
+    python plot.py runs/<run>                                # curves from metrics.jsonl
 
 Departures from the specification (reasons and measurements in the docs)
 - energy term -energy_cost * n, not -0.1 * energy_used / n^2 (under which a larger n costs less)
@@ -27,7 +26,6 @@ Departures from the specification (reasons and measurements in the docs)
 import copy
 import json
 import os
-import random
 import shutil
 import sys
 import time
@@ -35,7 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn as nn
 import tyro
@@ -55,7 +52,7 @@ class Args:
     gae_lambda: float = 0.8
     """GAE lambda"""
     num_minibatches: int = 4
-    """minibatches per epoch; must divide num_envs * num_steps"""
+    """minibatches per epoch (must divide the batch)"""
     update_epochs: int = 10
     """epochs over each rollout"""
     norm_adv: bool = True
@@ -63,7 +60,7 @@ class Args:
     clip_coef: float = 0.2
     """surrogate clipping coefficient"""
     clip_vloss: bool = False
-    """clip V to +-clip_coef around the rollout's V in the value loss"""
+    """clip V to the rollout's V +- clip_coef in the value loss"""
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
@@ -81,7 +78,7 @@ class Args:
     max_episode_steps: int = 64
     """episode step limit (truncation)"""
     energy_budget: float = 640.0
-    """slot-steps an episode may spend before it terminates"""
+    """slot-steps an episode may spend (termination)"""
     regime_means: tuple[float, ...] = (0.1, 0.35, 0.6, 0.85)
     """mean difficulty of each task regime"""
     regime_switch_prob: float = 0.05
@@ -111,7 +108,7 @@ class Args:
     energy_cost: float = 0.05
     """reward penalty per slot-step (--energy-term linear)"""
     energy_term: Literal["linear", "spec"] = "linear"
-    """linear: -energy_cost * n; spec: -0.1 * energy_used / n^2 (slot-steps spent in the episode)"""
+    """linear: -energy_cost * n; spec: -0.1 * energy_used / n^2"""
     switch_penalty: float = 0.05
     """reward penalty for changing capacity"""
     escalation_bonus: float = 0.2
@@ -143,13 +140,13 @@ class Args:
     save_every: int = 0
     """checkpoint every this many environment steps (0: only at the end)"""
     resume: str | None = None
-    """checkpoint runs/<run>/checkpoints/step_N to continue, with the run's arguments"""
+    """checkpoint runs/<run>/checkpoints/step_N to continue"""
 
     # --- experiment / tracking / device
     exp_name: str = "capacity_ppo"
     """name of the experiment, part of the run directory name"""
     seed: int = 1
-    """seed of the agent, the action sampling and the training environments"""
+    """seed of the agent, the actions and the training environments"""
     torch_deterministic: bool = True
     """use deterministic torch algorithms where they exist"""
     track: bool = False
@@ -161,19 +158,23 @@ class Args:
     output_dir: str = "runs"
     """where run directories are created"""
     device: str = "cpu"
-    """torch device (cpu is as fast as cuda for this small network)"""
+    """torch device (cpu is as fast as cuda here)"""
     torch_threads: int = 1
     """CPU threads for torch (1 is fastest here)"""
-
-    # --- computed at run time
-    batch_size: tyro.conf.Suppress[int] = 0
-    """num_envs * num_steps"""
-    minibatch_size: tyro.conf.Suppress[int] = 0
-    """batch_size // num_minibatches"""
-    num_iterations: tyro.conf.Suppress[int] = 0
-    """total_steps // batch_size"""
     run_name: tyro.conf.Suppress[str] = ""
-    """capacity__{exp_name}__{seed}__{time}"""
+    """capacity__{exp_name}__{seed}__{time}, set at run time"""
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.num_minibatches
+
+    @property
+    def num_iterations(self) -> int:
+        return self.total_steps // self.batch_size
 
 
 OBS_SCALARS = 7  # difficulty estimate, rolling accuracy, budget, previous capacity, dwell, error rate, time
@@ -195,13 +196,10 @@ def reward_terms(accuracy, capacity, prev_capacity, args: Args, energy_used=None
     energy = -args.energy_cost * capacity
     if args.energy_term == "spec":
         energy = -0.1 * energy_used / capacity**2
-    return {
-        "accuracy": args.accuracy_weight * accuracy,
-        "energy": energy,
-        "switch": -args.switch_penalty * (up | down).float(),
-        "escalation": args.escalation_bonus * (up & (accuracy < args.escalation_threshold)).float(),
-        "efficiency": args.efficiency_bonus * (down & (accuracy > args.efficiency_threshold)).float(),
-    }
+    return {"accuracy": args.accuracy_weight * accuracy, "energy": energy,
+            "switch": -args.switch_penalty * (up | down).float(),
+            "escalation": args.escalation_bonus * (up & (accuracy < args.escalation_threshold)).float(),
+            "efficiency": args.efficiency_bonus * (down & (accuracy > args.efficiency_threshold)).float()}
 
 
 def oracle_actions(difficulty, capacities, args: Args):
@@ -225,60 +223,51 @@ class CapacityEnv:
         self.workspace_code = (2.0 * signs - 1.0).to(self.device)
         self.obs_dim = args.workspace_dim + OBS_SCALARS
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.rng = dict(generator=self.generator, device=self.device)
         self.reset()
 
-    def _rand(self, *shape, fn=torch.rand):
-        return fn(*shape, generator=self.generator, device=self.device)
-
     def _regimes(self):
-        return self._rand(0, len(self.regime_means), (self.num_envs,), fn=torch.randint)
+        return torch.randint(len(self.regime_means), (self.num_envs,), **self.rng)
 
     def _noisy(self, difficulty):
-        return (difficulty + self.args.difficulty_noise * self._rand(self.num_envs, fn=torch.randn)).clamp(0.0, 1.0)
-
-    def _fresh_state(self) -> dict:
-        a = self.args
-        full = lambda value: torch.full((self.num_envs,), value, device=self.device)  # noqa: E731
-        regime = self._regimes()
-        return dict(regime=regime, difficulty=self._noisy(self.regime_means[regime]), budget=full(a.energy_budget),
-                    t=full(0.0), prev_action=full(0),  # the smallest capacity
-                    dwell=full(0.0), rolling_acc=full(0.5), error_rate=full(0.5), episode_return=full(0.0))
+        return (difficulty + self.args.difficulty_noise * torch.randn(self.num_envs, **self.rng)).clamp(0.0, 1.0)
 
     def _observe(self, noise):
         """noise: [N, workspace_dim + 1] (workspace units, difficulty estimate) -> [N, obs_dim]."""
         a, s = self.args, self.state
         signal = a.workspace_signal * (2.0 * s["difficulty"][:, None] - 1.0) * self.workspace_code
-        workspace = torch.tanh(signal + a.workspace_noise * noise[:, :-1])
-        scalars = torch.stack([
-            (s["difficulty"] + a.estimate_noise * noise[:, -1]).clamp(0.0, 1.0), s["rolling_acc"],
-            s["budget"].clamp(min=0.0) / a.energy_budget, s["prev_action"].float() / (len(a.capacities) - 1),
-            s["dwell"].clamp(max=10.0) / 10.0, s["error_rate"], s["t"] / a.max_episode_steps,
-        ], dim=1)
-        return torch.cat([workspace, scalars], dim=1)
+        scalars = [(s["difficulty"] + a.estimate_noise * noise[:, -1]).clamp(0.0, 1.0), s["rolling_acc"],
+                   s["budget"].clamp(min=0.0) / a.energy_budget, s["prev_action"] / (len(a.capacities) - 1),
+                   s["dwell"].clamp(max=10.0) / 10.0, s["error_rate"], s["t"] / a.max_episode_steps]
+        return torch.cat([torch.tanh(signal + a.workspace_noise * noise[:, :-1]), torch.stack(scalars, 1)], 1)
 
-    def _noise(self):
-        return self._rand(self.num_envs, self.args.workspace_dim + 1, fn=torch.randn)
+    def _fresh_state(self) -> dict:
+        full = lambda value: torch.full((self.num_envs,), value, device=self.device)
+        regime = self._regimes()
+        return dict(regime=regime, difficulty=self._noisy(self.regime_means[regime]), t=full(0.0),
+                    budget=full(self.args.energy_budget), prev_action=full(0),  # the smallest capacity
+                    dwell=full(0.0), rolling_acc=full(0.5), error_rate=full(0.5), episode_return=full(0.0))
 
     def reset(self):
         self.state = self._fresh_state()
-        self.obs = self._observe(self._noise())
+        self.obs = self._observe(torch.randn(self.num_envs, self.args.workspace_dim + 1, **self.rng))
         return self.obs
 
     def step(self, action):
         """action: [N] -> next_obs [N, D], reward, terminated, truncated [N], info. Where an episode ended,
         next_obs starts the next one; info["final_obs"] is its end."""
-        a, s = self.args, self.state
+        a, s, n = self.args, self.state, self.num_envs
         capacity = self.capacities[action]
         # 1. solve the task: items_per_step Bernoulli(p(n, d)) items
         p = task_accuracy(capacity, s["difficulty"], a)
-        accuracy = (self._rand(self.num_envs, a.items_per_step) < p[:, None]).float().mean(dim=1)
+        accuracy = (torch.rand(n, a.items_per_step, **self.rng) < p[:, None]).float().mean(dim=1)
         energy_used = a.energy_budget - s["budget"] + capacity
         terms = reward_terms(accuracy, capacity, self.capacities[s["prev_action"]], a, energy_used)
         reward = sum(terms.values())
         # 2. bookkeeping: energy, time, dwell, running statistics (EMAs of rate 0.2 and 0.5)
         s["budget"] -= capacity
         s["t"] += 1
-        s["dwell"] = torch.where(action == s["prev_action"], s["dwell"] + 1, torch.ones_like(s["dwell"]))
+        s["dwell"] = torch.where(action == s["prev_action"], s["dwell"] + 1, 1.0)
         s["prev_action"] = action.clone()
         s["rolling_acc"] += 0.2 * (accuracy - s["rolling_acc"])
         s["error_rate"] += 0.5 * (1.0 - accuracy - s["error_rate"])
@@ -286,12 +275,12 @@ class CapacityEnv:
         terminated = s["budget"] <= 0
         truncated = (s["t"] >= a.max_episode_steps) & ~terminated
         # 3. the task stream moves on: regime switches, then mean reversion with noise
-        switch = self._rand(self.num_envs) < a.regime_switch_prob
+        switch = torch.rand(n, **self.rng) < a.regime_switch_prob
         s["regime"] = torch.where(switch, self._regimes(), s["regime"])
         drift = a.difficulty_drift * (self.regime_means[s["regime"]] - s["difficulty"])
         s["difficulty"] = self._noisy(s["difficulty"] + drift)
         # 4. observe, then reset finished episodes (fresh draws every step keep the random stream action-free)
-        noise = self._noise()
+        noise = torch.randn(n, a.workspace_dim + 1, **self.rng)
         info = {"final_obs": self._observe(noise), "capacity": capacity, "terms": terms,
                 "episode_return": s["episode_return"].clone(), "episode_length": s["t"].clone()}
         fresh = self._fresh_state()
@@ -308,7 +297,7 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lamb
     terminated[t] drops the bootstrap, dones[t] cuts the lambda-trace."""
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[0])
-    for t in reversed(range(rewards.shape[0])):
+    for t in reversed(range(len(rewards))):
         # TD error; the bootstrap is kept at truncation, dropped at termination (arXiv:1712.00378)
         delta = rewards[t] + gamma * next_values[t] * (1.0 - terminated[t]) - values[t]
         # Eq. 16 of arXiv:1506.02438 as the backward recursion A_t = delta_t + gamma * lambda * A_{t+1}
@@ -323,7 +312,7 @@ def normalize_advantages(advantages):
 
 
 def mean_clipped_policy_loss(new_logp, old_logp, advantages, clip_coef: float):
-    """Clipped surrogate, Eq. 7 of arXiv:1707.06347, negated, averaged. All [B] -> (loss, approx_kl, clip_frac)."""
+    """Clipped surrogate, Eq. 7 of arXiv:1707.06347, negated and averaged. All [B] -> (loss, approx_kl, clip_frac)."""
     log_ratio = new_logp - old_logp
     ratio = log_ratio.exp()
     loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef)).mean()
@@ -334,8 +323,7 @@ def mean_clipped_policy_loss(new_logp, old_logp, advantages, clip_coef: float):
 
 
 def unmasked_value_loss(new_values, old_values, returns, clip_coef: float, clip: bool = True):
-    """L^VF of Eq. 9 of arXiv:1707.06347, 0.5 * squared error, optionally clipped around the rollout's values
-    (element-wise max, as in baselines' ppo2). All [B] -> []."""
+    """L^VF of Eq. 9 of arXiv:1707.06347; clip: the element-wise max of baselines' ppo2. All [B] -> []."""
     unclipped = (new_values - returns) ** 2
     if not clip:
         return 0.5 * unclipped.mean()
@@ -363,15 +351,12 @@ class Agent(nn.Module):
 
     def __init__(self, obs_dim: int, num_actions: int, hidden_size=256, head_size=128):
         super().__init__()
-        self.trunk = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, hidden_size)), nn.LayerNorm(hidden_size), nn.ReLU(),
-            layer_init(nn.Linear(hidden_size, hidden_size)), nn.LayerNorm(hidden_size), nn.ReLU(),
-        )
-        # output gains 0.01 (near-uniform initial policy) and 1, as in CleanRL
-        self.actor = nn.Sequential(layer_init(nn.Linear(hidden_size, head_size)), nn.ReLU(),
-                                   layer_init(nn.Linear(head_size, num_actions), std=0.01))
-        self.critic = nn.Sequential(layer_init(nn.Linear(hidden_size, head_size)), nn.ReLU(),
-                                    layer_init(nn.Linear(head_size, 1), std=1.0))
+        block = lambda width: [layer_init(nn.Linear(width, hidden_size)), nn.LayerNorm(hidden_size), nn.ReLU()]
+        self.trunk = nn.Sequential(*block(obs_dim), *block(hidden_size))
+        head = lambda out, std: nn.Sequential(layer_init(nn.Linear(hidden_size, head_size)), nn.ReLU(),
+                                              layer_init(nn.Linear(head_size, out), std=std))
+        self.actor = head(num_actions, 0.01)  # output gains 0.01 (near-uniform initial policy) and 1, as in CleanRL
+        self.critic = head(1, 1.0)
 
     def get_value(self, obs):
         """obs: [B, D] -> [B]."""
@@ -394,31 +379,28 @@ class Agent(nn.Module):
 
 @torch.no_grad()
 def env_rollout(agent: Agent, env: CapacityEnv, args: Args) -> tuple[dict, dict]:
-    """num_steps steps of every environment -> (batch, metrics). batch: obs [T, N, D]; actions, logprobs, values,
-    rewards, terminated, dones, next_values [T, N] (V(s_{t+1}), of the state an episode ended in where it ended)."""
-    steps, terms, returns, lengths = [], [], [], []
+    """num_steps steps of every environment -> (batch, metrics); batch: obs [T, N, D], the rest [T, N]."""
+    steps, terms = [], []
     for _ in range(args.num_steps):
         obs = env.obs
         action, logprob, _, value = agent.get_action_and_value(obs)
         _, reward, terminated, truncated, info = env.step(action)
         done = terminated | truncated
-        next_value = torch.zeros_like(value)
-        if done.any():  # V of the state each finished episode ended in (used only where it was truncated)
+        next_value = agent.get_value(env.obs)  # V(s_{t+1}); where an episode ended, V of the state it ended in
+        if done.any():
             next_value[done] = agent.get_value(info["final_obs"][done])
         steps.append(dict(obs=obs, actions=action, logprobs=logprob, values=value, rewards=reward,
-                          terminated=terminated.float(), dones=done.float(), next_values=next_value))
+                          terminated=terminated.float(), dones=done.float(), next_values=next_value,
+                          episode_return=info["episode_return"], episode_length=info["episode_length"]))
         terms.append(info["terms"])
-        returns.append(info["episode_return"][done])
-        lengths.append(info["episode_length"][done])
     b = {k: torch.stack([step[k] for step in steps]) for k in steps[0]}
-    following = torch.cat([b["values"][1:], agent.get_value(env.obs)[None]])
-    b["next_values"] = torch.where(b["dones"].bool(), b["next_values"], following)
     stats = {"charts/mean_capacity": env.capacities[b["actions"]].mean().item(),
              **{f"rewards/{k}": torch.stack([t[k] for t in terms]).mean().item() for k in terms[0]},
              "rewards/total": b["rewards"].mean().item()}
-    if torch.cat(returns).numel():
-        stats["charts/episodic_return"] = torch.cat(returns).mean().item()
-        stats["charts/episodic_length"] = torch.cat(lengths).mean().item()
+    ended = b["dones"].bool()
+    if ended.any():
+        stats["charts/episodic_return"] = b["episode_return"][ended].mean().item()
+        stats["charts/episodic_length"] = b["episode_length"][ended].mean().item()
     return b, stats
 
 
@@ -428,11 +410,10 @@ def update(agent: Agent, optimizer, batch: dict, args: Args) -> dict:
     clipfracs = []
     for epoch in range(args.update_epochs):
         for mb in torch.randperm(args.batch_size, device=b["obs"].device).split(args.minibatch_size):
-            _, new_logp, entropy, new_value = agent.get_action_and_value(b["obs"][mb], b["actions"][mb])
-            mb_adv = normalize_advantages(b["advantages"][mb]) if args.norm_adv else b["advantages"][mb]
-            pg_loss, approx_kl, clip_frac = mean_clipped_policy_loss(new_logp, b["logprobs"][mb], mb_adv,
-                                                                     args.clip_coef)
-            v_loss = unmasked_value_loss(new_value, b["values"][mb], b["returns"][mb], args.clip_coef, args.clip_vloss)
+            _, logp, entropy, value = agent.get_action_and_value(b["obs"][mb], b["actions"][mb])
+            adv = normalize_advantages(b["advantages"][mb]) if args.norm_adv else b["advantages"][mb]
+            pg_loss, approx_kl, clip_frac = mean_clipped_policy_loss(logp, b["logprobs"][mb], adv, args.clip_coef)
+            v_loss = unmasked_value_loss(value, b["values"][mb], b["returns"][mb], args.clip_coef, args.clip_vloss)
             entropy_loss = entropy.mean()
             loss = pg_loss - args.ent_coef * entropy_loss + args.vf_coef * v_loss  # Eq. 9 of arXiv:1707.06347
             optimizer.zero_grad()
@@ -442,67 +423,29 @@ def update(agent: Agent, optimizer, batch: dict, args: Args) -> dict:
             clipfracs.append(clip_frac.item())
         if args.target_kl is not None and approx_kl.item() > args.target_kl:
             break
-    return {
-        "charts/mean_value": b["values"].mean().item(), "charts/mean_return": b["returns"].mean().item(),
-        "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
-        "losses/entropy": entropy_loss.item(), "losses/approx_kl": approx_kl.item(),
-        "losses/clipfrac": float(np.mean(clipfracs)), "losses/epochs": epoch + 1,
-        "losses/explained_variance": unmasked_explained_variance(b["values"], b["returns"]),
-    }
-
-
-@torch.no_grad()
-def evaluate(args: Args, agent: Agent, device) -> dict:
-    """Greedy agent, oracle, each fixed capacity and a uniform random policy on the same num_eval_envs episodes."""
-    random_gen = torch.Generator(device=device).manual_seed(args.eval_seed + 1)
-    size = (args.num_eval_envs,)
-    policies = {"learned": lambda env: agent.greedy(env.obs),
-                "oracle": lambda env: oracle_actions(env.state["difficulty"], env.capacities, args),
-                "random": lambda env: torch.randint(len(args.capacities), size, generator=random_gen, device=device),
-                **{f"fixed_{c}": lambda env, i=i: torch.full(size, i, device=device)
-                   for i, c in enumerate(args.capacities)}}
-    returns = {}
-    for name, policy in policies.items():
-        env = CapacityEnv(args, args.num_eval_envs, args.eval_seed, device)
-        env.reset()
-        alive = torch.ones(size, dtype=torch.bool, device=device)
-        total = used = switches = steps = 0
-        for _ in range(args.max_episode_steps):
-            action = policy(env)
-            switches = switches + ((action != env.state["prev_action"]) & alive).sum()
-            _, reward, terminated, truncated, info = env.step(action)
-            total = total + reward * alive
-            used = used + (info["capacity"] * alive).sum()
-            steps = steps + alive.sum()
-            alive &= ~(terminated | truncated)
-            if not alive.any():
-                break
-        returns[name] = total.mean().item()
-        if name == "learned":
-            mean_capacity = used.item() / steps.item()
-            switch_rate = switches.item() / steps.item()
-    best_fixed = max(args.capacities, key=lambda c: returns[f"fixed_{c}"])
-    fixed = returns[f"fixed_{best_fixed}"]
-    ret, oracle, rand = returns["learned"], returns["oracle"], returns["random"]
-    return {
-        "eval/return": ret, "eval/oracle_return": oracle, "eval/best_fixed_return": fixed, "eval/random_return": rand,
-        "eval/best_fixed_capacity": best_fixed,
-        "eval/gap_closed": (ret - fixed) / (oracle - fixed) if oracle != fixed else float("nan"),
-        "eval/oracle_advantage": (oracle - fixed) / (oracle - rand) if oracle != rand else float("nan"),
-        "eval/mean_capacity": mean_capacity, "eval/switch_rate": switch_rate,
-        **{f"eval/fixed_{c}_return": returns[f"fixed_{c}"] for c in args.capacities},
-    }
+    return {"charts/mean_value": b["values"].mean().item(), "charts/mean_return": b["returns"].mean().item(),
+            "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(), "losses/epochs": epoch + 1,
+            "losses/entropy": entropy_loss.item(), "losses/approx_kl": approx_kl.item(),
+            "losses/clipfrac": sum(clipfracs) / len(clipfracs),
+            "losses/explained_variance": unmasked_explained_variance(b["values"], b["returns"])}
 
 
 # --- main
 
 
 def main(args: Args) -> dict:
-    args, run_dir, resume_state = start_run(args)  # checks, run directory, args.json, W&B: plumbing below
-    previous_threads = torch.get_num_threads()  # restored at the end, for callers that import main
+    args, run_dir, resume_state = start_run(args)  # checks, run directory, args.json, W&B
+    threads = torch.get_num_threads()  # restored at the end, for callers that import main
+    torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    # 0. seeds, environments, agent, optimizer (on --resume the checkpoint's weights, state and RNGs)
-    env, agent, optimizer, iteration, global_step = setup(args, resume_state)
+    # 0. environments, agent, Adam; on --resume, their state from the checkpoint
+    env = CapacityEnv(args, args.num_envs, args.seed, args.device)
+    agent = Agent(env.obs_dim, len(args.capacities), args.hidden_size, args.head_size).to(args.device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    env.reset()
+    iteration, global_step = restore_state(resume_state, agent, optimizer, env)
     eval_metrics = evaluate(args, agent, args.device)
     if args.resume is None:
         log_metrics(run_dir, {"step": 0, **eval_metrics}, args.track)
@@ -520,10 +463,9 @@ def main(args: Args) -> dict:
             global_step += args.batch_size
 
             # 2. advantages with GAE (Eq. 16 of arXiv:1506.02438), bootstrapping at truncation only
-            advantages, returns = compute_gae(batch["rewards"], batch["values"], batch["next_values"],
-                                              batch["terminated"], batch["dones"], args.gamma, args.gae_lambda)
-            batch["advantages"] = advantages
-            batch["returns"] = returns
+            batch["advantages"], batch["returns"] = compute_gae(
+                batch["rewards"], batch["values"], batch["next_values"], batch["terminated"], batch["dones"],
+                args.gamma, args.gae_lambda)
 
             # 3. update_epochs passes of minibatch SGD on the clipped objective (Eq. 9 of arXiv:1707.06347)
             update_stats = update(agent, optimizer, batch, args)
@@ -545,40 +487,54 @@ def main(args: Args) -> dict:
         print(f"\ninterrupted: saving the state at step {state['global_step']}")
     finally:
         progress.close()
-    return finish_run(run_dir, state, eval_metrics, args, previous_threads)
+    return finish_run(run_dir, state, eval_metrics, args, threads)
 
 
-# ---- plumbing: set-up, input checks, resume, run directory, metrics, W&B, checkpoints (a reader need not modify it)
+# ---- plumbing: evaluation, input checks, resume, run directory, metrics, W&B, checkpoints
 
 
-def setup(args: Args, resume_state: dict | None) -> tuple:
-    """Seeds, threads, environments, agent, Adam; on --resume the checkpoint's weights, optimizer, environment state
-    and RNGs -> (env, agent, optimizer, completed iterations, global step)."""
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.torch_threads)
-    env = CapacityEnv(args, args.num_envs, args.seed, args.device)
-    agent = Agent(env.obs_dim, len(args.capacities), args.hidden_size, args.head_size).to(args.device)
-    if resume_state:
-        agent = load_agent(args.resume, args.device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    env.reset()
-    if not resume_state:
-        return env, agent, optimizer, 0, 0
-    optimizer.load_state_dict(resume_state["optimizer"])
-    env.state = {k: v.to(env.device) for k, v in resume_state["env"]["state"].items()}
-    env.obs = resume_state["env"]["obs"].to(env.device)
-    env.generator.set_state(resume_state["env"]["generator"])
-    torch.set_rng_state(resume_state["torch_rng"])
-    np.random.set_state(resume_state["numpy_rng"])
-    random.setstate(resume_state["python_rng"])
-    return env, agent, optimizer, resume_state["iteration"], resume_state["global_step"]
+@torch.no_grad()
+def evaluate(args: Args, agent: Agent, device) -> dict:
+    """Greedy agent, oracle, each fixed capacity and a uniform random policy on the same num_eval_envs episodes."""
+    generator = torch.Generator(device=device).manual_seed(args.eval_seed + 1)
+    shape = (args.num_eval_envs,)
+    policies = {"": lambda env: agent.greedy(env.obs),  # keyed by the prefix of their eval/...return metric
+                "oracle_": lambda env: oracle_actions(env.state["difficulty"], env.capacities, args),
+                "random_": lambda env: torch.randint(len(args.capacities), shape, generator=generator, device=device),
+                **{f"fixed_{c}_": lambda env, i=i: torch.full(shape, i, device=device)
+                   for i, c in enumerate(args.capacities)}}
+    m = {}
+    for name, policy in policies.items():
+        env = CapacityEnv(args, args.num_eval_envs, args.eval_seed, device)
+        env.reset()
+        alive = torch.ones(shape, dtype=torch.bool, device=device)
+        total = used = switches = steps = 0
+        for _ in range(args.max_episode_steps):  # one episode in each environment
+            action = policy(env)
+            switches = switches + ((action != env.state["prev_action"]) & alive).sum()
+            _, reward, terminated, truncated, info = env.step(action)
+            total = total + reward * alive
+            used = used + (info["capacity"] * alive).sum()
+            steps = steps + alive.sum()
+            alive &= ~(terminated | truncated)
+        m[f"eval/{name}return"] = total.mean().item()
+        if name == "":  # the greedy policy's mean capacity and switches per step
+            m["eval/mean_capacity"] = used.item() / steps.item()
+            m["eval/switch_rate"] = switches.item() / steps.item()
+    best = max(args.capacities, key=lambda c: m[f"eval/fixed_{c}_return"])
+    m["eval/best_fixed_capacity"] = best
+    m["eval/best_fixed_return"] = m[f"eval/fixed_{best}_return"]
+    ret = m["eval/return"]
+    oracle = m["eval/oracle_return"]
+    fixed = m["eval/best_fixed_return"]
+    rand = m["eval/random_return"]
+    m["eval/gap_closed"] = (ret - fixed) / (oracle - fixed) if oracle != fixed else float("nan")
+    m["eval/oracle_advantage"] = (oracle - fixed) / (oracle - rand) if oracle != rand else float("nan")
+    return m
 
 
 def passed_multiple(global_step: int, every: int, args: Args) -> bool:
-    """Whether the last iteration took global_step past a multiple of every (never when every is 0)."""
+    """Did the last iteration pass a multiple of every? (never when every is 0)"""
     return every > 0 and global_step % every < args.batch_size
 
 
@@ -589,27 +545,23 @@ def check_args(args: Args) -> None:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
     caps = list(args.capacities)
-    batch = args.num_envs * args.num_steps
-    divisors = [d for d in range(2, 65) if batch % d == 0][:4]
+    batch = args.batch_size
     for failed, message in [
-        (len(caps) < 2 or min(caps) <= 0 or caps != sorted(set(caps)),
-         f"--capacities must list at least two positive integers in strictly increasing order, e.g. 4 6 9 12 "
-         f"(got {caps})"),
+        (len(caps) < 2 or caps[0] <= 0 or caps != sorted(set(caps)),
+         f"--capacities must list at least two positive integers in strictly increasing order (got {caps})"),
         (batch % args.num_minibatches, f"--num-minibatches {args.num_minibatches} does not divide the batch size "
-         f"{batch} (--num-envs x --num-steps); pick one of {divisors}"),
-        (args.total_steps < batch, f"--total-steps {args.total_steps} is smaller than one rollout ({batch} = "
-         f"--num-envs x --num-steps); raise it or shrink the rollout"),
-        (not args.regime_means or not all(0 <= m <= 1 for m in args.regime_means),
-         f"--regime-means must be difficulties in [0, 1] (got {args.regime_means})"),
-        (not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), "--gamma and --gae-lambda must lie in [0, 1]"),
+         f"{batch} (--num-envs x --num-steps): pick one of {[d for d in range(2, 65) if batch % d == 0][:4]}"),
+        (args.total_steps < batch, f"--total-steps {args.total_steps} is smaller than one rollout ({batch} steps)"),
+        (not args.regime_means or min(args.regime_means) < 0 or max(args.regime_means) > 1,
+         "--regime-means must be difficulties in [0, 1]"),
+        (not 0 <= args.gamma <= 1 or not 0 <= args.gae_lambda <= 1, "--gamma and --gae-lambda must lie in [0, 1]"),
         (min(args.energy_budget, args.clip_coef, args.learning_rate) <= 0,
          "--energy-budget, --clip-coef and --learning-rate must be positive"),
         (args.target_kl is not None and args.target_kl <= 0, "--target-kl must be positive, or unset to disable it"),
         (min(args.eval_every, args.save_every) < 0, "--eval-every and --save-every must be >= 0 (0: only at the end)"),
-        (args.resume is not None and not (Path(args.resume) / "trainer_state.pt").is_file(),
-         f"--resume {args.resume} is not a checkpoint: a runs/<run>/checkpoints/step_N folder with trainer_state.pt"),
-        (args.device.startswith("cuda") and not torch.cuda.is_available(),
-         f"--device {args.device}, but torch sees no CUDA GPU on this machine: use --device cpu"),
+        (args.resume and not (Path(args.resume) / "trainer_state.pt").is_file(),
+         f"--resume {args.resume} is not a checkpoint: pass a runs/<run>/checkpoints/step_N folder"),
+        (args.device.startswith("cuda") and not torch.cuda.is_available(), "no CUDA GPU here: use --device cpu"),
     ]:
         if failed:
             raise ValueError(message)
@@ -617,7 +569,6 @@ def check_args(args: Args) -> None:
 
 RESUME_MAY_CHANGE = ("total_steps", "eval_every", "save_every", "num_eval_envs", "track", "wandb_project_name",
                      "wandb_entity", "device", "torch_threads")
-RESUME_IGNORES = ("exp_name", "output_dir", "run_name", "resume", "batch_size", "minibatch_size", "num_iterations")
 
 
 def saved_args(checkpoint) -> Args:
@@ -628,51 +579,47 @@ def saved_args(checkpoint) -> Args:
 
 def start_run(args: Args) -> tuple[Args, Path, dict | None]:
     """Arguments (on --resume the run's own), checks, run directory, args.json, W&B -> (args, run_dir, state)."""
+    state = None
     overrides = {}
-    if args.resume is not None and (Path(args.resume) / "args.json").is_file():
+    if args.resume and (Path(args.resume) / "args.json").is_file():
         given = args
         args = saved_args(given.resume)
-        for name in Args.__dataclass_fields__:
-            new, old = getattr(given, name), getattr(args, name)
-            if name in RESUME_IGNORES or new == getattr(Args(), name) or new == old:
+        for name, new in vars(given).items():
+            old = getattr(args, name)
+            if name in ("exp_name", "output_dir", "run_name", "resume") or new in (old, getattr(Args(), name)):
                 continue
             if name not in RESUME_MAY_CHANGE:
-                raise ValueError(f"--{name.replace('_', '-')} {new} differs from the run's {old!r} ({given.resume}/"
-                                 f"args.json) and cannot change on resume, as it would change the algorithm or the "
-                                 f"environment: drop the flag, or start a new run")
+                raise ValueError(f"--{name.replace('_', '-')} {new} differs from the run's {old!r} and cannot change "
+                                 "on resume, as it would change the algorithm: drop it, or start a new run")
             print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
             setattr(args, name, new)
             overrides[name] = [old, new]
         args.resume = given.resume
     check_args(args)
-    args.batch_size = args.num_envs * args.num_steps
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    args.num_iterations = args.total_steps // args.batch_size
     if args.total_steps % args.batch_size:
-        print(f"--total-steps {args.total_steps} is not a whole number of iterations of {args.batch_size} steps "
-              f"(--num-envs x --num-steps): training {args.num_iterations * args.batch_size} steps "
-              f"({args.num_iterations} iterations)")
-    state = None
+        print(f"--total-steps {args.total_steps} is not a whole number of iterations of {args.batch_size} steps: "
+              f"training {args.num_iterations * args.batch_size} steps")
     if args.resume is None:
         args.run_name = f"capacity__{args.exp_name}__{args.seed}__{int(time.time())}"
         run_dir = Path(args.output_dir) / args.run_name
         run_dir.mkdir(parents=True, exist_ok=True)
         record = asdict(args)
-    else:  # args.json keeps the run's arguments and lists what each resume changed; metrics after the step go
+    else:  # args.json keeps the run's arguments and lists each resume's changes; later metrics are dropped
         run_dir = Path(args.resume).resolve().parent.parent
         args.run_name = run_dir.name
         record = json.loads((run_dir / "args.json").read_text())
-        record.setdefault("resumed", []).append({"checkpoint": str(args.resume), "overrides": overrides})
+        record.setdefault("resumed", []).append({"checkpoint": args.resume, "overrides": overrides})
         state = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False)
-        if (metrics := run_dir / "metrics.jsonl").is_file():
-            lines = metrics.read_text().splitlines()
-            metrics.write_text("".join(f"{r}\n" for r in lines if r and json.loads(r)["step"] <= state["global_step"]))
+        state["agent"] = load_file(Path(args.resume) / "agent.safetensors", device=args.device)
+        metrics = run_dir / "metrics.jsonl"
+        rows = metrics.read_text().splitlines() if metrics.is_file() else []
+        metrics.write_text("".join(f"{r}\n" for r in rows if json.loads(r)["step"] <= state["global_step"]))
     (run_dir / "args.json").write_text(json.dumps(record, indent=2))
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args),
-                   name=args.run_name, dir=str(run_dir), save_code=True)
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=args.run_name,
+                   dir=str(run_dir), save_code=True)
     return args, run_dir, state
 
 
@@ -686,12 +633,23 @@ def log_metrics(run_dir: Path, row: dict, track: bool) -> None:
 
 
 def capture_state(agent, optimizer, env, iteration: int, global_step: int) -> dict:
-    """Copy of everything a resumed run needs to continue exactly (iteration = completed iterations)."""
-    return copy.deepcopy({
-        "agent": agent.state_dict(), "optimizer": optimizer.state_dict(),
-        "env": {"state": env.state, "obs": env.obs, "generator": env.generator.get_state()}, "iteration": iteration,
-        "global_step": global_step, "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
-        "python_rng": random.getstate()})
+    """Copy of what a resumed run needs to continue exactly (iteration = completed iterations)."""
+    env_state = {"state": env.state, "obs": env.obs, "generator": env.generator.get_state()}
+    return copy.deepcopy({"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "env": env_state,
+                          "iteration": iteration, "global_step": global_step, "torch_rng": torch.get_rng_state()})
+
+
+def restore_state(state: dict | None, agent, optimizer, env) -> tuple[int, int]:
+    """Load capture_state's copy (None: a new run) -> (completed iterations, global step)."""
+    if state is None:
+        return 0, 0
+    agent.load_state_dict(state["agent"])
+    optimizer.load_state_dict(state["optimizer"])
+    env.state = {k: v.to(env.device) for k, v in state["env"]["state"].items()}
+    env.obs = state["env"]["obs"].to(env.device)
+    env.generator.set_state(state["env"]["generator"])
+    torch.set_rng_state(state["torch_rng"])
+    return state["iteration"], state["global_step"]
 
 
 def save_checkpoint(run_dir: Path, state: dict, args: Args) -> Path:
@@ -700,7 +658,7 @@ def save_checkpoint(run_dir: Path, state: dict, args: Args) -> Path:
     tmp = final.parent / f".tmp_{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in state["agent"].items()}, str(tmp / "agent.safetensors"))
+    save_file({k: v.contiguous() for k, v in state["agent"].items()}, tmp / "agent.safetensors")
     torch.save({k: v for k, v in state.items() if k != "agent"}, tmp / "trainer_state.pt")
     (tmp / "args.json").write_text(json.dumps(asdict(args), indent=2))
     shutil.rmtree(final, ignore_errors=True)
@@ -712,19 +670,18 @@ def load_agent(checkpoint, device="cpu") -> Agent:
     """Rebuild the agent of a checkpoint folder from its args.json and agent.safetensors."""
     args = saved_args(checkpoint)
     agent = Agent(args.workspace_dim + OBS_SCALARS, len(args.capacities), args.hidden_size, args.head_size)
-    agent.load_state_dict(load_file(str(Path(checkpoint) / "agent.safetensors"), device=str(device)))
+    agent.load_state_dict(load_file(Path(checkpoint) / "agent.safetensors", device=str(device)))
     return agent.to(device)
 
 
 def finish_run(run_dir: Path, state: dict, m: dict, args: Args, threads: int) -> dict:
-    """Final checkpoint, the table of evaluation returns, W&B closed, torch's threads restored -> main's result."""
+    """Final checkpoint, the table of evaluation returns, W&B closed, torch's threads restored."""
     checkpoint = save_checkpoint(run_dir, state, args)
     print("| policy | mean episode return |\n|---|---|")
-    for name, key in [("learned (greedy)", "return"), ("oracle", "oracle_return"),
-                      *((f"fixed n={c}", f"fixed_{c}_return") for c in args.capacities), ("random", "random_return")]:
-        print(f"| {name} | {m['eval/' + key]:.2f} |")
-    print(f"\ngap closed (learned - best fixed) / (oracle - best fixed): {m['eval/gap_closed']:.3f}\n"
-          f"oracle advantage (oracle - best fixed) / (oracle - random): {m['eval/oracle_advantage']:.3f}\n"
+    for name, key in [("learned (greedy)", ""), ("oracle", "oracle_"),
+                      *((f"fixed n={c}", f"fixed_{c}_") for c in args.capacities), ("random", "random_")]:
+        print(f"| {name} | {m[f'eval/{key}return']:.2f} |")
+    print(f"\ngap closed: {m['eval/gap_closed']:.3f}, oracle advantage: {m['eval/oracle_advantage']:.3f}\n"
           f"run directory: {run_dir}\ncheckpoint: {checkpoint}")
     if args.track:
         import wandb

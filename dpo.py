@@ -1,18 +1,15 @@
 """Direct Preference Optimization (DPO) and its family: cDPO, SLiC hinge, IPO, robust DPO, SimPO, RPO.
 
-DPO (arXiv:2305.18290, Eq. 7) trains the policy directly on preference pairs (x, y_w, y_l), with the implicit
-reward r(x, y) = beta log pi(y|x) / pi_ref(y|x) and log-probs summed over the completion's tokens:
+DPO (arXiv:2305.18290, Eq. 7) trains the policy on preference pairs (x, y_w, y_l) with the implicit reward
+r(x, y) = beta log pi(y|x) / pi_ref(y|x), log-probs summed over the completion's tokens:
     L = -log sigmoid(beta d),   d = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x)).
-`--loss-type`: sigmoid (DPO; cDPO with --label-smoothing eps), hinge (SLiC-HF, arXiv:2305.10425: relu(1 - beta d)),
-ipo (arXiv:2310.12036 Eq. 17: (d - 1/(2 beta))^2), robust (arXiv:2403.00409, label-flip rate eps), simpo
-(arXiv:2405.14734 Eq. 6: length-normalised, no reference, margin --simpo-gamma). `--rpo-alpha a` adds a times the
-chosen completion's length-normalised NLL (RPO, arXiv:2404.19733).
+`--loss-type`: sigmoid (DPO; cDPO with --label-smoothing), hinge (SLiC-HF, arXiv:2305.10425), ipo (arXiv:2310.12036),
+robust (arXiv:2403.00409), simpo (arXiv:2405.14734, no reference). `--rpo-alpha a` adds a times the chosen
+completion's length-normalised NLL (RPO, arXiv:2404.19733).
 
 Run:
     python dpo.py                                               # models/tiny-arith on data/arith's pairs, CPU
-    python dpo.py --rpo-alpha 0                                 # plain DPO (lowers greedy accuracy: docs/dpo.md)
-    python dpo.py --loss-type simpo --beta 2 --simpo-gamma 1 --rpo-alpha 0  # or ipo, hinge, robust (the default
-                                                                # --rpo-alpha 1 adds RPO's NLL term to any loss)
+    python dpo.py --loss-type simpo --beta 2 --simpo-gamma 1 --rpo-alpha 0  # or ipo, hinge, robust
     python dpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-prefs \
         --dataset-split train --eval-split None --pref-eval-split test --max-completion-length 512 \
         --micro-batch-size 4 --learning-rate 5e-7 --lora-r 16
@@ -22,14 +19,13 @@ Deviations (why, and the measurements: docs/dpo.md):
 - Default `--rpo-alpha 1`: plain offline DPO lowers tiny-arith's greedy accuracy (likelihood displacement,
   arXiv:2410.08847); the RPO term keeps log pi(y_w) rising while the DPO term still separates the pairs.
 - Chosen and rejected go through the policy in one row per pair that holds their shared prefix once (`--pack-pairs`,
-  arXiv:2410.20305), checked at start against the unpacked pass, which is used instead if a model fails.
+  arXiv:2410.20305), checked at start against the plain pass, which is used instead if a model fails.
 - Completion log-probs come from the last hidden states and the lm_head: the [B, T, V] logits never exist.
 - Completions are tokenised alone + EOS; long prompts keep their last tokens, long completions lose their end.
-- The reference is loaded again (not copied), with LoRA the policy without adapters, or with --precompute-ref-logps
-  the policy's log-probs before any step; held-out pairs' reference log-probs are always precomputed.
-- Each pair's loss is averaged over the step's pairs (all micro-batches and processes); RPO's NLL is per pair.
-- rewards/* are beta times the log-ratios the loss uses; eval/pref_accuracy counts ties as wrong (0 at step 0).
-- Dropout is off; every process draws the same batch from a seeded epoch order and keeps its share.
+- The reference is loaded again (with LoRA: the policy without adapters; with --precompute-ref-logps: the policy's
+  log-probs before any step); held-out pairs' reference log-probs are always precomputed.
+- The loss is averaged over the step's pairs; rewards/* are beta times the log-ratios the loss uses;
+  eval/pref_accuracy counts ties as wrong (0 at step 0). Dropout is off.
 """
 
 import contextlib
@@ -62,19 +58,21 @@ from kernels import linear_token_logprobs
 
 @dataclass
 class Args:
-    # --- experiment / tracking
-    exp_name: str = "dpo"
-    """name of this experiment, part of the run directory name"""
-    seed: int = 1
-    """seed of python, numpy and torch, and of the data order"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
-    wandb_entity: Optional[str] = None
-    """Weights & Biases team or user"""
-    output_dir: str = "runs"
-    """where run directories are created"""
+    # --- algorithm
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "simpo"] = "sigmoid"
+    """DPO (+cDPO), SLiC hinge, IPO, robust DPO or SimPO (module docstring)"""
+    beta: float = 0.1
+    """inverse temperature of the implicit reward beta log pi/pi_ref (IPO: its tau; SimPO: its beta, ~2)"""
+    label_smoothing: float = 0.0
+    """sigmoid (cDPO) and simpo: in [0, 0.5]; robust: the label-flip rate in [0, 0.5); others: 0"""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (Eq. 6 of arXiv:2405.14734); only with --loss-type simpo"""
+    ipo_logps: Literal["mean", "sum"] = "mean"
+    """IPO's log-ratios: averaged over completion tokens (TRL) or summed (Eq. 17 as written)"""
+    rpo_alpha: float = 1.0
+    """weight of the chosen completion's length-normalised NLL added to the loss (RPO; 0: off)"""
+    precompute_ref_logps: bool = False
+    """compute the reference log-probs of every training pair once before training: no reference model in memory"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
@@ -112,22 +110,6 @@ class Args:
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
 
-    # --- algorithm
-    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "simpo"] = "sigmoid"
-    """DPO (+cDPO), SLiC hinge, IPO, robust DPO or SimPO (module docstring)"""
-    beta: float = 0.1
-    """inverse temperature of the implicit reward beta log pi/pi_ref (IPO: its tau; SimPO: its beta, ~2)"""
-    label_smoothing: float = 0.0
-    """sigmoid (cDPO) and simpo: in [0, 0.5]; robust: the label-flip rate in [0, 0.5); others: 0"""
-    simpo_gamma: float = 0.5
-    """SimPO's target reward margin gamma (Eq. 6 of arXiv:2405.14734); only with --loss-type simpo"""
-    ipo_logps: Literal["mean", "sum"] = "mean"
-    """IPO's log-ratios: averaged over completion tokens (TRL) or summed (Eq. 17 as written)"""
-    rpo_alpha: float = 1.0
-    """weight of the chosen completion's length-normalised NLL added to the loss (RPO; 0: off)"""
-    precompute_ref_logps: bool = False
-    """compute the reference log-probs of every training pair once before training: no reference model in memory"""
-
     # --- optimisation
     batch_size: int = 32
     """preference pairs per optimiser step (over all processes)"""
@@ -145,16 +127,6 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
-    pack_pairs: bool = True
-    """one row per pair holding the prompt and the completions' common start once (plain rows if a model fails)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
-    device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
 
     # --- logging / checkpointing
     log_every: int = 1
@@ -165,6 +137,30 @@ class Args:
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
+
+    # --- engineering / experiment
+    pack_pairs: bool = True
+    """one row per pair holding the prompt and the completions' common start once (plain rows if a model fails)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    device: str = "auto"
+    """cuda, cpu, or auto (cuda when available)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
+    exp_name: str = "dpo"
+    """name of this experiment, part of the run directory name"""
+    seed: int = 1
+    """seed of python, numpy and torch, and of the data order"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "cleanrl-llm"
+    """Weights & Biases project"""
+    wandb_entity: Optional[str] = None
+    """Weights & Biases team or user"""
+    output_dir: str = "runs"
+    """where run directories are created"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 
@@ -189,22 +185,19 @@ def pair_logratios(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, r
     return chosen, rejected
 
 
-def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, loss_type: str, beta: float,
-                    label_smoothing: float = 0.0, simpo_gamma: float = 0.0) -> torch.Tensor:
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, loss_type: str, beta: float,
+             label_smoothing: float = 0.0, simpo_gamma: float = 0.0) -> torch.Tensor:
     """Per-pair loss from the terms of pair_logratios: chosen, rejected [B] -> loss [B]; d = chosen - rejected."""
     d, eps = chosen - rejected, label_smoothing
-    if loss_type == "sigmoid":  # Eq. 7 of arXiv:2305.18290; eps > 0: conservative DPO (cDPO)
-        return -(1 - eps) * F.logsigmoid(beta * d) - eps * F.logsigmoid(-beta * d)
     if loss_type == "hinge":  # SLiC-HF's calibration loss (arXiv:2305.10425) on the log-ratio, margin 1 / beta
         return torch.relu(1 - beta * d)
     if loss_type == "ipo":  # Eq. 17 of arXiv:2310.12036 (beta is its tau)
         return (d - 1 / (2 * beta)) ** 2
+    z = beta * d - simpo_gamma * (loss_type == "simpo")  # Eq. 6 of arXiv:2405.14734: SimPO's margin gamma
     if loss_type == "robust":  # arXiv:2403.00409: unbiased under labels flipped with probability eps
-        return (-(1 - eps) * F.logsigmoid(beta * d) + eps * F.logsigmoid(-beta * d)) / (1 - 2 * eps)
-    if loss_type == "simpo":  # Eq. 6 of arXiv:2405.14734, with cDPO-style label smoothing (TRL's CPO)
-        z = beta * d - simpo_gamma
-        return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
-    raise ValueError(f"unknown loss type {loss_type!r}: choose sigmoid, hinge, ipo, robust or simpo")
+        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    # Eq. 7 of arXiv:2305.18290; eps > 0: conservative DPO (cDPO), and for simpo TRL's CPO smoothing
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -213,8 +206,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     input_ids, attention_mask, completion_mask: [B, T], right-padded prompt + completion; completion_mask is 1 on
     completion tokens -> [B] float32. Hidden state t predicts token t + 1; only the positions that predict a
-    completion token go through the lm_head (kernels.linear_token_logprobs, with the head's bias, logit scale
-    and soft-capping: lm_head).
+    completion token go through the lm_head (kernels.linear_token_logprobs with lm_head's transforms).
     """
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     predicts = completion_mask[:, 1:].bool()
@@ -225,15 +217,12 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, owners) -> torch.Tensor:
-    """`sequence_logprobs` of `pack_pairs` rows -> [2B] float32: the B chosen then the B rejected completions'
-    summed log-probs. The decoder runs with the pairs' attention mask; each entry's token log-prob is computed
-    once (kernels.linear_token_logprobs) and counted for every sequence that owns it."""
-    if model.config._attn_implementation == "sdpa":
-        mask = allowed[:, None]
-    else:  # eager attention adds its mask to the logits
+    """`sequence_logprobs` of `pack_completions` rows -> [2B] float32: the B chosen then the B rejected completions'
+    summed log-probs. Each entry's token log-prob is computed once and counted for every sequence that owns it."""
+    mask = allowed[:, None]
+    if model.config._attn_implementation != "sdpa":  # eager attention adds its mask to the logits
         dtype = model.get_output_embeddings().weight.dtype
-        mask = torch.zeros(allowed[:, None].shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed[:, None], torch.finfo(dtype).min)
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
     logp = linear_token_logprobs(hidden.flatten(0, 1)[columns], targets=targets, **lm_head(model, hidden.dtype))
@@ -241,92 +230,86 @@ def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, o
         0, owners[0], logp[owners[1]])
 
 
-class PolicyLogprobs(torch.nn.Module):
-    """The policy as DDP and FSDP2 see it: they act around the forward of the module they wrap (DDP syncs gradients,
-    FSDP2 gathers the weights outside the decoder layers: embeddings and lm_head)."""
-
-    def __init__(self, model, logprobs: Callable):
-        super().__init__()
-        self.model, self.logprobs = model, logprobs
-
-    def forward(self, *batch):
-        return self.logprobs(self.model, *batch)
+def pair_logprobs(model, pairs: list, pad_id: int, packed: bool) -> torch.Tensor:
+    """(prompt, chosen, rejected) token lists -> [2B] float32 summed completion log-probs: the B chosen, then the B
+    rejected; one row per pair (packed) or one per sequence."""
+    batch = pack_completions(pairs, pad_id) if packed else collate_completions(pairs, pad_id)
+    return (packed_logprobs if packed else sequence_logprobs)(model, *(t.to(model.device) for t in batch))
 
 
-def collate_pairs(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int):
+def collate_completions(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int):
     """(prompt, chosen, rejected) token lists -> ids, attention mask, completion mask, each [2B, T]: the B
     prompt + chosen rows, then the B prompt + rejected rows, right-padded to the longest."""
     rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention, completion = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, c) in enumerate(rows):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        attention[i, : len(p) + len(c)] = 1
-        completion[i, len(p) : len(p) + len(c)] = 1
-    return ids, attention, completion
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p + c) for p, c in rows], True, pad_id)
+    col = torch.arange(ids.shape[1])
+    start = torch.tensor([len(p) for p, _ in rows])[:, None]
+    end = start + torch.tensor([len(c) for _, c in rows])[:, None]
+    return ids, (col < end).long(), ((col >= start) & (col < end)).long()
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
     """The number of leading tokens two token lists have in common."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def pack_pairs(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int):
-    """(prompt, chosen, rejected) token lists -> one row per pair that holds what its two sequences share once
-    (prefix sharing, arXiv:2410.20305): prompt + chosen + the rejected completion after the n tokens it shares with
-    the chosen one. The rejected tail attends to the shared prefix and to itself, not to the chosen tail, and its
-    positions continue from the prefix, so every token sees what it sees in its own sequence.
-    -> (ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T], columns [E], targets [E],
-        owners [2, K]): entry e is token targets[e] predicted by the hidden state at flat position columns[e]
-        (row * T + column); owners lists (sequence, entry): sequences 0..B-1 are the chosen completions, B..2B-1
-        the rejected ones, and an entry of the shared part belongs to both."""
-    width = max(len(p) + len(c) + len(r) - shared_prefix(c, r) for p, c, r in pairs)
-    ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
-    split, shared, length, columns, targets, owners = [], [], [], [], [], []
-    for b, (p, c, r) in enumerate(pairs):
-        n = shared_prefix(c, r)
-        ids[b, : len(p) + len(c) + len(r) - n] = torch.tensor(p + c + r[n:])
-        split.append(len(p) + len(c))
-        shared.append(len(p) + n)
-        length.append(len(p) + len(c) + len(r) - n)
-        for j, token in enumerate(c):  # chosen token j is predicted at column len(p) + j - 1
-            owners += [(b, len(columns))] + [(len(pairs) + b, len(columns))] * (j < n)
-            columns.append(b * width + len(p) + j - 1)
-            targets.append(token)
-        for j in range(n, len(r)):  # the first tail token is predicted by the prefix's last, the rest by the tail
-            owners.append((len(pairs) + b, len(columns)))
-            columns.append(b * width + (len(p) + n - 1 if j == n else len(p) + len(c) + j - n - 1))
-            targets.append(r[j])
-    col = torch.arange(width)
-    split, shared, length = (torch.tensor(x)[:, None] for x in (split, shared, length))
-    tail = col >= split  # [B, T]: the rejected tail (and the padding after it)
+def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
+    """Prefix sharing (arXiv:2410.20305): token lists (a, b) -> one row a + b[n:], n = shared_prefix(a, b). The tail
+    b[n:] attends to the shared prefix and to itself, not to a's tail, and its positions continue from the prefix,
+    so every token sees what it sees in its own sequence.
+    -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T], and [B, 1] each: where
+    b's tail starts (len(a)), n, the row's length."""
+    shared = [shared_prefix(a, b) for a, b in pairs]
+    rows = [a + b[n:] for (a, b), n in zip(pairs, shared)]
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], True, pad_id)
+    col = torch.arange(ids.shape[1])
+    split = torch.tensor([len(a) for a, _ in pairs])[:, None]
+    shared = torch.tensor(shared)[:, None]
+    length = torch.tensor([len(row) for row in rows])[:, None]
+    tail = col >= split  # [B, T]: b's tail (and the padding after it)
     position_ids = torch.where(tail, col - split + shared, col).masked_fill(col >= length, 0)  # padding: in range
     query, key = col[None, :, None], col[None, None, :]
     allowed = (key <= query) & ~(tail[:, :, None] & (key >= shared[:, :, None]) & (key < split[:, :, None]))
+    return ids, allowed, position_ids, split, shared, length
+
+
+def pack_completions(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int):
+    """`pack_pairs` of prompt + chosen and prompt + rejected -> (ids, allowed, position ids, columns [E], targets [E],
+    owners [2, K]): entry e is token targets[e] predicted by the hidden state at flat position columns[e]
+    (row * T + column); owners lists (sequence, entry): sequences 0..B-1 are the chosen completions, B..2B-1 the
+    rejected ones, and an entry of the shared part belongs to both."""
+    ids, allowed, position_ids, *_ = pack_pairs([(p + c, p + r) for p, c, r in pairs], pad_id)
+    width, B = ids.shape[1], len(pairs)
+    columns, targets, owners = [], [], []
+    for b, (p, c, r) in enumerate(pairs):
+        n = shared_prefix(c, r)
+        for j, token in enumerate(c):  # chosen token j is predicted at column len(p) + j - 1
+            owners += [(b, len(columns))] + [(B + b, len(columns))] * (j < n)
+            columns.append(b * width + len(p) + j - 1)
+            targets.append(token)
+        for j in range(n, len(r)):  # the first tail token is predicted by the prefix's last, the rest by the tail
+            owners.append((B + b, len(columns)))
+            columns.append(b * width + (len(p) + n - 1 if j == n else len(p) + len(c) + j - n - 1))
+            targets.append(r[j])
     return ids, allowed, position_ids, torch.tensor(columns), torch.tensor(targets), torch.tensor(owners).T
 
 
 @torch.no_grad()
-def check_packing(model, pairs, pad_id: int, device) -> Optional[str]:
-    """Packed log-probs of a few pairs against the plain forward (eval mode, no autocast) -> why packing cannot be
-    used with this model (e.g. an attention implementation that ignores custom 4D masks), or None."""
-    pairs, was_training = pairs[:8], model.training
+def check_packing(model, forward: Callable[[bool], torch.Tensor]) -> Optional[str]:
+    """forward(packed) of a few pairs, packed against plain, in eval mode -> why packing cannot be used with this
+    model (e.g. an attention implementation that ignores custom 4D masks), or None."""
+    was_training = model.training
     model.eval()
     try:
-        plain = sequence_logprobs(model, *(t.to(device) for t in collate_pairs(pairs, pad_id)))
-        packed = packed_logprobs(model, *(t.to(device) for t in pack_pairs(pairs, pad_id)))
+        plain, packed = forward(False), forward(True)
     except Exception as e:  # noqa: BLE001
         return f"its packed forward fails ({type(e).__name__}: {e})"
     finally:
         model.train(was_training)
-    tol = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 5e-2
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
     diff = float((packed - plain).abs().max())
     if not diff <= tol * (1 + float(plain.abs().max())):
-        return f"its packed log-probs differ from its plain ones by {diff:.3g} (attention ignores the custom mask?)"
+        return f"its packed results differ from its plain ones by {diff:.3g} (attention ignores the custom mask?)"
     return None
 
 
@@ -357,57 +340,38 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
                                           tokenize=False, add_generation_prompt=True) for v in values]
 
 
-PAIR_FLAGS = "--prompt-column/--chosen-column/--rejected-column"
-
-
-def pair_problem(row: dict, prompt: str, chosen: str, rejected: str) -> Optional[str]:
-    """What is wrong with a row as a preference pair (a prompt and two different, non-empty completions), or None."""
-    missing = [c for c in (prompt, chosen, rejected) if c not in row]
-    empty = [c for c in (chosen, rejected) if not missing and not (isinstance(row[c], str) and row[c].strip())]
+def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) -> Optional[str]:
+    """What is wrong with a row as a preference pair, or None: `columns` (prompt, chosen, rejected, ...) filled in,
+    two different completions as text, a boolean `tie` (when read) and a number in column `margin` (when given)."""
+    chosen, rejected = row.get(columns[1]), row.get(columns[2])
+    missing = [c for c in columns if row.get(c) is None]
     if missing:
-        return f"no column {missing}; available columns: {sorted(row)} (choose with {PAIR_FLAGS})"
-    if empty:
-        return (f"the '{empty[0]}' completion is empty (or not a string): a pair needs two non-empty completions; "
-                f"remove the row")
-    if row[chosen] == row[rejected]:
-        return (f"chosen and rejected completions are identical ({row[chosen][:40]!r}), so the pair carries no "
-                f"preference (d = 0 always); remove the row")
+        return f"no column {missing}: fill it in or remove the row"
+    if not isinstance(chosen, str) or not isinstance(rejected, str):
+        return f"'{columns[1]}' and '{columns[2]}' must be text, got {chosen!r} and {rejected!r}"
+    if chosen == rejected:
+        return f"'{columns[1]}' and '{columns[2]}' are the same text, which states no preference: remove the row"
+    if "tie" in columns and not isinstance(row["tie"], bool):
+        return f"'tie' is {row['tie']!r}: it must be true (a tie) or false (chosen is better)"
+    if margin and (isinstance(row[margin], bool) or not isinstance(row[margin], (int, float))):
+        return f"margin '{margin}' is {row[margin]!r}, not a number"
     return None
 
 
-def load_pairs(tokenizer, args: Args, flag: str, limit: Optional[int] = None) -> list[tuple[list[int], ...]]:
-    """A split's pairs (at most `limit`), checked and tokenised once: (prompt, chosen + EOS, rejected + EOS) ids,
-    the prompt keeping its last --max-prompt-length tokens and each completion its first --max-completion-length."""
-    columns = (args.prompt_column, args.chosen_column, args.rejected_column)
-    ds, split = load_split(args, flag, list(columns), PAIR_FLAGS), getattr(args, flag)
-    ds = ds.select(range(min(limit, len(ds)))) if limit is not None else ds
-    for i, row in enumerate(ds, 1):  # a hub dataset's rows are checked here (local files in check_args)
-        if problem := pair_problem(row, *columns):
-            raise ValueError(f"split '{split}', row {i}: {problem}")
-    if len(ds) == 0:
-        raise ValueError(f"split '{split}' is empty: it needs at least one preference pair")
-    encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompts = [ids[-args.max_prompt_length:] for ids in encode(prompt_texts(
-        tokenizer, list(ds[args.prompt_column]), args.use_chat_template, args.prompt_column))]
-    empty = [i for i, p in enumerate(prompts) if not p]
-    if empty:
-        raise ValueError(f"{len(empty)} prompts of split '{split}' are empty (row {empty[0] + 1}): remove them")
-    chosen, rejected = ([(ids + [tokenizer.eos_token_id])[: args.max_completion_length] for ids in encode(list(ds[c]))]
-                        for c in columns[1:])
-    return list(zip(prompts, chosen, rejected))
-
-
-def load_model(name: str, dtype: torch.dtype, device: torch.device):
-    """A causal LM with dropout off (TRL's disable_dropout): the policy and the reference must be one function."""
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model
+def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
+    """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
+    work: a bad row is one line naming the file and line (a hub split: its row)."""
+    split, path = getattr(args, flag), Path(args.dataset).expanduser()
+    ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column or the flag naming it")
+    where = f"{path / split}.jsonl, line" if path.is_dir() else f"{args.dataset}, split '{split}', row"
+    for i, row in enumerate(ds, 1):
+        if problem := pair_problem(row, columns, margin):
+            raise ValueError(f"{where} {i}: {problem}")
+    return ds
 
 
 class PairOrder:
-    """Epochs of a seeded random permutation; a batch that would run past an epoch's end starts the next one."""
+    """Indices in seeded random epochs of whole batches (an epoch's incomplete last batch is skipped)."""
 
     def __init__(self, n: int, seed: int):
         self.n, self.gen = n, torch.Generator().manual_seed(seed)
@@ -427,73 +391,261 @@ class PairOrder:
         self.order, self.cursor = state["order"], int(state["cursor"])
 
 
+def tokenize_completions(tokenizer, ds, args: Args) -> list[tuple[list[int], list[int], list[int]]]:
+    """Pairs as (prompt, chosen + EOS, rejected + EOS) token ids: a prompt keeps its last --max-prompt-length
+    tokens, a completion its first --max-completion-length."""
+    encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    texts = prompt_texts(tokenizer, list(ds[args.prompt_column]), args.use_chat_template, args.prompt_column)
+    prompts = [ids[-args.max_prompt_length :] for ids in encode(texts)]
+    if not all(prompts):
+        raise ValueError(f"a prompt is empty (row {prompts.index([]) + 1}): remove it")
+    chosen, rejected = ([(ids + [tokenizer.eos_token_id])[: args.max_completion_length] for ids in encode(list(ds[c]))]
+                        for c in (args.chosen_column, args.rejected_column))
+    return list(zip(prompts, chosen, rejected))
+
+
+def load_data(args: Args, tokenizer) -> tuple[list, list, list, list]:
+    """Every split, checked and tokenised before any model loads -> (training pairs, held-out pairs, eval prompts,
+    their answers)."""
+    columns = [args.prompt_column, args.chosen_column, args.rejected_column]
+    pairs = tokenize_completions(tokenizer, load_pairs(args, "dataset_split", columns), args)
+    eval_pairs, prompts, answers = [], [], []
+    if args.pref_eval_split:
+        held_out = load_pairs(args, "pref_eval_split", columns)
+        eval_pairs = tokenize_completions(tokenizer, held_out.select(range(min(args.pref_eval_limit, len(held_out)))),
+                                          args)
+    if args.eval_split:
+        ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
+        ev = ev.select(range(min(args.eval_limit, len(ev))))
+        prompts = prompt_texts(tokenizer, list(ev[args.prompt_column]), args.use_chat_template, args.prompt_column)
+        answers = list(ev[args.answer_column])
+    return pairs, eval_pairs, prompts, answers
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device):
+    """A causal LM with dropout off (TRL's disable_dropout): the policy and the reference must be one function."""
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def load_models(args: Args, tokenizer, device: torch.device) -> tuple:
+    """The policy (with LoRA adapters: a PEFT model), the reference loaded again from the same weights and frozen (none
+    with LoRA: the policy without its adapters; --precompute-ref-logps; SimPO), the EOS ids."""
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, ref_model = load_model(args.model_name_or_path, dtype, device), None
+    eos_ids = own_generation_config(model, tokenizer)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                                                 lora_dropout=args.lora_dropout, task_type="CAUSAL_LM"))
+    elif args.loss_type != "simpo" and not args.precompute_ref_logps:
+        ref_model = load_model(args.model_name_or_path, dtype, device).eval().requires_grad_(False)
+    return model, ref_model, eos_ids
+
+
 @torch.no_grad()
-def pair_logps(model, pairs: list, logprobs: Callable, collate: Callable, micro: int, autocast) -> torch.Tensor:
+def pair_logps(model, pairs: list, pad_id: int, packed: bool, micro: int, autocast) -> torch.Tensor:
     """The model's summed log-probs of every pair, in eval mode, micro-batch by micro-batch -> [N, 2] (chosen,
-    rejected), on CPU."""
+    rejected), on the CPU."""
     model.eval()
-    out = []
+    out = [torch.zeros(0, 2)]
     for i in range(0, len(pairs), micro):
         with autocast:
-            out.append(logprobs(model, *collate(pairs[i : i + micro])).float().view(2, -1).T.cpu())
+            out.append(pair_logprobs(model, pairs[i : i + micro], pad_id, packed).float().view(2, -1).T.cpu())
     model.train()
-    return torch.cat(out) if out else torch.zeros(0, 2)
+    return torch.cat(out)
 
 
 def pref_metrics(logps: torch.Tensor, ref: Optional[torch.Tensor], pairs: list, args: Args) -> dict:
     """Held-out pairs: the fraction whose implicit reward ranks chosen above rejected (ties are wrong), and the
     policy's mean log-probs. logps, ref: [N, 2] (chosen, rejected); ref is None for simpo."""
     tokens = torch.tensor([[len(c), len(r)] for _, c, r in pairs], dtype=torch.float32)
-    chosen, rejected = pair_logratios(logps[:, 0], logps[:, 1], *(ref.unbind(1) if ref is not None else (None, None)),
-                                      tokens[:, 0], tokens[:, 1], args.loss_type, args.ipo_logps)
+    ref = (None, None) if ref is None else ref.unbind(1)
+    chosen, rejected = pair_logratios(logps[:, 0], logps[:, 1], *ref, tokens[:, 0], tokens[:, 1], args.loss_type,
+                                      args.ipo_logps)
     return {"eval/pref_accuracy": float((chosen > rejected).float().mean()),
             "eval/logps_chosen": float(logps[:, 0].mean()), "eval/logps_rejected": float(logps[:, 1].mean())}
 
 
-def dpo_update(policy, optimizer, pairs: list, rows: list[int], args: Args, micro: int, world: int,
-               collate: Callable, reference: Optional[Callable], autocast) -> tuple[dict, torch.Tensor, int]:
-    """One optimiser step on this process's pairs `rows`: per micro-batch, chosen and rejected in one forward pass,
-    the reference's log-probs (reference(rows, tensors) -> [2, m]; None: simpo), the per-pair loss plus RPO's NLL,
-    summed over the step's pairs / --batch-size. -> (sums over pairs, grad norm, tokens of both sequences)."""
-    sums = dict.fromkeys(("loss", "nll", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected"), 0.0)
-    ddp, tokens = isinstance(policy, torch.nn.parallel.DistributedDataParallel), 0
-    for k in range(0, len(rows), micro):
-        some = [pairs[i] for i in rows[k : k + micro]]
-        tensors = collate(some)
-        lengths = torch.tensor([[len(c) for _, c, _ in some], [len(r) for _, _, r in some]], dtype=torch.float32,
-                               device=tensors[0].device)  # [2, m]: completion token counts
-        with (policy.no_sync() if ddp and k + micro < len(rows) else torch.enable_grad()), autocast:
-            logp = policy(*tensors).view(2, -1)
-            ref = reference(rows[k : k + micro], tensors) if reference else (None, None)
+def dpo_update(policy, optimizer, pairs: list, args: Args, micro: int, world: int, pad_id: int, packed: bool,
+               reference: Optional[Callable], autocast) -> tuple[dict, torch.Tensor]:
+    """One optimiser step on this process's `pairs`: per micro-batch, chosen and rejected in one forward pass, the
+    reference's log-probs (reference(k, m) of pairs k..k+m -> [2, m]; None: simpo), the per-pair loss plus RPO's
+    NLL, summed over the step's pairs / --batch-size. -> (sums over pairs, grad norm)."""
+    sums = dict.fromkeys(("loss", "nll", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected", "tokens"),
+                         0.0)
+    ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
+    for k in range(0, len(pairs), micro):
+        some = pairs[k : k + micro]
+        with (policy.no_sync() if ddp and k + micro < len(pairs) else torch.enable_grad()), autocast:
+            logp = policy(some, pad_id, packed).view(2, -1)
+            lengths = torch.tensor([[len(c) for _, c, _ in some], [len(r) for _, _, r in some]], dtype=torch.float32,
+                                   device=logp.device)  # [2, m]: completion token counts
+            ref = reference(k, len(some)) if reference else (None, None)
             chosen, rejected = pair_logratios(logp[0], logp[1], ref[0], ref[1], lengths[0], lengths[1], args.loss_type,
                                               args.ipo_logps)
             nll = -logp[0] / lengths[0]  # RPO: the chosen completion's per-token NLL (arXiv:2404.19733)
-            per_pair = preference_loss(chosen, rejected, args.loss_type, args.beta, args.label_smoothing,
-                                       args.simpo_gamma) + args.rpo_alpha * nll
+            per_pair = dpo_loss(chosen, rejected, args.loss_type, args.beta, args.label_smoothing,
+                                args.simpo_gamma) + args.rpo_alpha * nll
             (per_pair.sum() / args.batch_size * world).backward()  # DDP averages gradients over processes
         chosen, rejected = args.beta * chosen, args.beta * rejected  # implicit rewards
-        for name, x in (("loss", per_pair), ("nll", nll), ("chosen", chosen), ("rejected", rejected), ("correct", (
-                chosen > rejected).float()), ("logps_chosen", logp[0]), ("logps_rejected", logp[1])):
+        for name, x in (("loss", per_pair), ("nll", nll), ("chosen", chosen), ("rejected", rejected),
+                        ("correct", (chosen > rejected).float()), ("logps_chosen", logp[0]),
+                        ("logps_rejected", logp[1])):
             sums[name] += float(x.detach().sum())
-        tokens += sum(2 * len(p) + len(c) + len(r) for p, c, r in some)
+        sums["tokens"] += sum(2 * len(p) + len(c) + len(r) for p, c, r in some)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return sums, grad_norm, tokens
+    return sums, grad_norm
+
+
+def dpo_metrics(run, sums: dict, batch_size: int) -> dict:
+    """This step's sums over the pairs of every process -> the logged means, under TRL's names: implicit rewards, their
+    margin and accuracy, the policy's log-probs (ipo, simpo: of the log-ratios those losses use)."""
+    total = run.gather(torch.tensor([list(sums.values())], dtype=torch.float64, device=run.device)).sum(0)
+    s = dict(zip(sums, (total / batch_size).tolist()))
+    return {"train/loss": s["loss"], "train/nll": s["nll"], "rewards/chosen": s["chosen"],
+            "rewards/rejected": s["rejected"], "rewards/margins": s["chosen"] - s["rejected"],
+            "rewards/accuracies": s["correct"], "logps/chosen": s["logps_chosen"],
+            "logps/rejected": s["logps_rejected"]}
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "pref_eval_limit", "track",
                      "wandb_project_name", "wandb_entity", "device", "pack_pairs")
+
+
+def main(args: Args) -> dict:
+    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
+    #    up processes, device and seeds.
+    args, overrides = resume_args(args, RESUME_MAY_CHANGE)
+    micro = check_args(args)
+    run = Run(args, overrides, shown=("train/loss", "rewards/margins", "eval/pref_accuracy", "eval/accuracy"))
+    device, world = run.device, run.world
+
+    # 1. Data: the pairs, checked and tokenised once (prompt; completion + EOS), before any model loads.
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    pad_id = tokenizer.pad_token_id
+    pairs, eval_pairs, eval_prompts, eval_answers = load_data(args, tokenizer)
+
+    # 2. Model: the policy and the reference (load_models); one row per pair if the model passes the check.
+    model, ref_model, eos_ids = load_models(args, tokenizer, device)
+    why_not_packed = None
+    if args.pack_pairs:
+        why_not_packed = check_packing(model, lambda packed: pair_logprobs(model, pairs[:8], pad_id, packed))
+    if why_not_packed:
+        run.say(f"--pack-pairs: running chosen and rejected in rows of their own, as {why_not_packed}")
+    packed = args.pack_pairs and not why_not_packed
+    policy = Forward(pair_logprobs, model)
+    ref_model = ref_model and Forward(pair_logprobs, ref_model)
+    if run.fsdp:  # each decoder layer sharded over the processes, the reference too (FSDP2)
+        policy = run.shard(policy, decoder_layers(model))
+        ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
+    elif run.ddp:
+        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda"
+                                                           else None)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
+
+    # The reference's log-probs of the held-out pairs (and with --precompute-ref-logps of every training pair), once,
+    # from the policy itself: it holds the initial weights until section 3 loads a resumed run's.
+    uses_ref = args.loss_type != "simpo"
+    with run.whole():  # --fsdp: the model is called outside the sharded root's forward
+        eval_ref = pair_logps(model, eval_pairs, pad_id, packed, micro, autocast) if uses_ref else None
+        train_ref = pair_logps(model, pairs, pad_id, packed, micro, autocast) if args.precompute_ref_logps else None
+
+    @torch.no_grad()
+    def reference(k: int, m: int) -> torch.Tensor:  # of this step's pairs k..k+m-1 -> [2, m]
+        if train_ref is not None:
+            return train_ref[rows[k : k + m]].T.to(device)
+        if ref_model is not None:
+            return ref_model(mine[k : k + m], pad_id, packed).float().view(2, -1)
+        with model.disable_adapter():  # LoRA: the reference is the base model without adapters
+            return pair_logprobs(model, mine[k : k + m], pad_id, packed).float().view(2, -1)
+
+    # 3. Optimiser, schedule and data order; on --resume the weights, then all their states.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    run.trained = (policy, optimizer)  # what --fsdp checkpoints in shards
+    lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
+    order = PairOrder(len(pairs), args.seed)
+    state = run.restore(model, optimizer, scheduler)
+    if state:
+        order.load(state)
+        lr_anchor = state["lr_anchor"]
+        if "total_steps" in overrides:  # the decay continues from where it is to the new last step
+            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
+                                              args.lr_schedule, lr_anchor))
+
+    def measure() -> tuple[dict, list]:
+        """The implicit-reward accuracy on the held-out pairs, and greedy accuracy on --eval-split."""
+        metrics, samples = {}, []
+        if eval_pairs:
+            logps = pair_logps(model, eval_pairs, pad_id, packed, micro, autocast)
+            metrics = pref_metrics(logps, eval_ref, eval_pairs, args)
+        if eval_prompts:
+            metrics["eval/accuracy"], samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers,
+                                                                args.max_completion_length, eos_ids,
+                                                                progress=run.progress)
+        return metrics, samples
+
+    def save() -> Path:
+        return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
+                                                 "lr_anchor": lr_anchor, "scheduler": scheduler.state_dict(),
+                                                 **order.state()}, per_rank={})
+
+    # 4. Train.
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    run.say(f"run directory: {run.dir}  |  {len(pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
+            f"{len(eval_prompts)} eval prompts, {n_train / 1e6:.2f}M trainable parameters on {device}, "
+            f"micro-batch {micro} pairs{' packed in one row each' if packed else ''}")
+    share, final, tokens, seconds, last_log = args.batch_size // world, {}, 0, 0.0, run.start
+    with run:
+        for step in run.steps(measure, save):
+            t_step = time.perf_counter()
+            # 4a. The next batch of pairs in epoch order; every process draws the same indices and keeps its share.
+            rows = order.draw(args.batch_size)[run.rank * share : (run.rank + 1) * share]
+            mine = [pairs[i] for i in rows]
+            # 4b. Per micro-batch: chosen and rejected in one forward pass, the reference's log-probs (cached or one
+            #     no-grad pass), the per-pair loss (Eq. 7 or a variant) + RPO's NLL, averaged over the step's pairs.
+            sums, grad_norm = dpo_update(policy, optimizer, mine, args, micro, world, pad_id, packed,
+                                         reference if uses_ref else None, autocast)
+            lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
+            scheduler.step()
+            seconds += time.perf_counter() - t_step
+            tokens += sums.pop("tokens")
+
+            # 4c. Log the implicit rewards, their margin and accuracy, the policy's log-probs, and the timings.
+            if step % args.log_every == 0 or step == args.total_steps:
+                final = {"step": step, **dpo_metrics(run, sums, args.batch_size), "train/grad_norm": float(grad_norm),
+                         "train/lr": lr, "perf/step_s": seconds / (step - last_log),
+                         "perf/tokens_per_s": tokens * world / max(seconds, 1e-9)}
+                run.log(final)
+                tokens, seconds, last_log = 0, 0.0, step
+
+    # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) in final/.
+    merged = (lambda: copy.deepcopy(model).merge_and_unload()) if args.lora_r else model
+    return run.finish(final, measure, save, merged, tokenizer)
+
+
 LABEL_SMOOTHING = {"sigmoid": "[0, 0.5] (cDPO)", "simpo": "[0, 0.5]",
                    "robust": "[0, 0.5) (the label-flip rate; 0.5 would divide by 0)"}
 
 
 def check_args(args: Args) -> int:
-    """Every check that needs no model loading (the local pairs files are read and checked); -> the micro-batch
-    (pairs) each process uses."""
+    """Every check of the flags before any work -> the micro-batch (pairs) each process uses."""
     check_common(args, ("total_steps", "batch_size", "max_completion_length", "max_prompt_length", "log_every",
                         "learning_rate"), ("eval_every", "save_every", "warmup_steps", "eval_limit", "pref_eval_limit",
-                                           "lora_r", "micro_batch_size"), (args.model_name_or_path,))
+                                           "lora_r", "micro_batch_size", "rpo_alpha", "simpo_gamma"),
+                 (args.model_name_or_path,))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: "
@@ -508,8 +660,6 @@ def check_args(args: Args) -> int:
     if not 0 <= eps <= (0.5 if allowed else 0.0) or (args.loss_type == "robust" and eps == 0.5):
         raise ValueError(f"--label-smoothing {eps} is outside its range for --loss-type {args.loss_type}: "
                          f"{allowed or '0 only (it has no label smoothing; use --loss-type sigmoid or robust)'}")
-    if args.rpo_alpha < 0 or args.simpo_gamma < 0:
-        raise ValueError(f"need --rpo-alpha >= 0 and --simpo-gamma >= 0, got {args.rpo_alpha}, {args.simpo_gamma}")
     if args.loss_type == "simpo" and args.precompute_ref_logps:
         raise ValueError("--loss-type simpo is reference-free: --precompute-ref-logps has no reference to compute; "
                          "drop the flag (or choose a loss that uses a reference)")
@@ -518,159 +668,7 @@ def check_args(args: Args) -> int:
             import peft  # noqa: F401
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    columns = (args.prompt_column, args.chosen_column, args.rejected_column)
     return micro
-
-
-def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
-    #    up processes, device and seeds.
-    args, overrides = resume_args(args, RESUME_MAY_CHANGE)
-    micro = check_args(args)
-    run = Run(args, overrides, shown=("train/loss", "rewards/margins", "eval/pref_accuracy", "eval/accuracy"))
-    device, world = run.device, run.world
-
-    # 1. Data: the pairs, tokenised once (prompt; completion + EOS), checked up front.
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    pairs = load_pairs(tokenizer, args, "dataset_split")
-    eval_pairs = load_pairs(tokenizer, args, "pref_eval_split", args.pref_eval_limit) if args.pref_eval_split else []
-    eval_prompts, eval_answers = [], []
-    if args.eval_split:
-        ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column],
-                        "--prompt-column/--answer-column")
-        n = min(len(ev), args.eval_limit)
-        eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template,
-                                    args.prompt_column)
-        eval_answers = list(ev[args.answer_column][:n])
-
-    # 2. Model: the policy (optionally with LoRA adapters) and the reference: loaded again from the same weights
-    #    (frozen), the policy with its adapters disabled (LoRA), precomputed (no second model), or none (SimPO).
-    weights_dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = load_model(args.model_name_or_path, weights_dtype, device)
-    eos_ids = own_generation_config(model, tokenizer)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model, uses_ref = None, args.loss_type != "simpo"
-    if args.lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
-                                                 lora_dropout=args.lora_dropout, task_type="CAUSAL_LM"))
-    elif uses_ref and not args.precompute_ref_logps:
-        ref_model = load_model(args.model_name_or_path, weights_dtype, device).eval().requires_grad_(False)
-    raw_model = model
-    why_not_packed = check_packing(raw_model, pairs, tokenizer.pad_token_id, device) if args.pack_pairs else None
-    if why_not_packed:
-        run.say(f"--pack-pairs: running chosen and rejected in rows of their own, as {why_not_packed}")
-    packed = args.pack_pairs and not why_not_packed
-    logprobs = packed_logprobs if packed else sequence_logprobs
-
-    def collate(rows: list) -> tuple:  # pairs -> logprobs' tensors on the device: one row per pair packed, else two
-        return tuple(t.to(device) for t in (pack_pairs if packed else collate_pairs)(rows, tokenizer.pad_token_id))
-
-    policy = PolicyLogprobs(model, logprobs)
-    ref_model = ref_model and PolicyLogprobs(ref_model, logprobs)
-    if run.fsdp:  # each decoder layer sharded over the processes, the reference too (FSDP2)
-        policy = run.shard(policy, decoder_layers(model))
-        ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
-    elif run.ddp:
-        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda"
-                                                           else None)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
-
-    # The reference's log-probs of the held-out pairs (and with --precompute-ref-logps of every training pair), once,
-    # from the policy itself: it holds the initial weights until section 3 loads a resumed run's: it is the reference.
-    with run.whole():  # --fsdp: raw_model is called outside the sharded root's forward
-        eval_ref = pair_logps(raw_model, eval_pairs, logprobs, collate, micro, autocast) if uses_ref else None
-        train_ref = (pair_logps(raw_model, pairs, logprobs, collate, micro, autocast) if args.precompute_ref_logps
-                     else None)
-
-    @torch.no_grad()
-    def reference(rows: list[int], tensors: tuple) -> torch.Tensor:  # [2, m]: precomputed, or one no-grad pass
-        if train_ref is not None:
-            return train_ref[rows].T.to(device)
-        if ref_model is not None:
-            return ref_model(*tensors).float().view(2, -1)
-        with raw_model.disable_adapter():  # LoRA: the reference is the base model without adapters
-            return logprobs(raw_model, *tensors).float().view(2, -1)
-
-    # 3. Optimiser, schedule and data order; on --resume the weights, then all their states.
-    optimizer = torch.optim.AdamW([p for p in raw_model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  betas=(0.9, 0.99), weight_decay=args.weight_decay)
-    run.trained = (policy, optimizer)  # what --fsdp checkpoints in shards
-    lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
-    order = PairOrder(len(pairs), args.seed)
-    state = run.restore(raw_model, optimizer, scheduler)
-    if state:
-        order.load(state)
-        lr_anchor = state["lr_anchor"]
-        if "total_steps" in overrides:  # the decay continues from where it is to the new last step
-            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
-                                              args.lr_schedule, lr_anchor))
-
-    def measure() -> tuple[dict, list]:
-        """The implicit-reward accuracy on the held-out pairs, and greedy accuracy on --eval-split."""
-        metrics, samples = {}, []
-        if eval_pairs:
-            metrics = pref_metrics(pair_logps(raw_model, eval_pairs, logprobs, collate, micro, autocast), eval_ref,
-                                   eval_pairs, args)
-        if eval_prompts:
-            metrics["eval/accuracy"], samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers,
-                                                                args.max_completion_length, eos_ids,
-                                                                progress=run.progress)
-        return metrics, samples
-
-    def save() -> Path:
-        return run.checkpoint(raw_model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
-                                                     "lr_anchor": lr_anchor,
-                                                     "scheduler": scheduler.state_dict(), **order.state()}, per_rank={})
-
-    # 4. Train.
-    n_train = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
-    kind = ("none (SimPO)" if not uses_ref else "precomputed" if args.precompute_ref_logps else
-            "adapters disabled" if args.lora_r else "frozen copy")
-    run.say(f"run directory: {run.dir}  |  {len(pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
-            f"{len(eval_prompts)} eval prompts, {n_train / 1e6:.2f}M trainable parameters on {device}, "
-            f"micro-batch {micro} pairs{' packed in one row each' if packed else ''}, reference: {kind}")
-    mine, final, tokens, seconds, last_log = args.batch_size // world, {}, 0, 0.0, run.start
-    with run:
-        for step in run.steps(measure, save):
-            t_step = time.perf_counter()
-            # 4a. The next batch of pairs in epoch order; every process draws the same indices and keeps its share.
-            rows = order.draw(args.batch_size)[run.rank * mine : (run.rank + 1) * mine]
-            # 4b. Per micro-batch: chosen and rejected in one forward pass, the reference's log-probs (cached or one
-            #     no-grad pass), the per-pair loss (Eq. 7 or a variant) + RPO's NLL, averaged over the step's pairs.
-            sums, grad_norm, n_tokens = dpo_update(policy, optimizer, pairs, rows, args, micro, world, collate,
-                                                   reference if uses_ref else None, autocast)
-            lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
-            scheduler.step()
-            seconds, tokens = seconds + time.perf_counter() - t_step, tokens + n_tokens
-
-            # 4c. Log under TRL's names: implicit rewards, their margin and accuracy, the policy's log-probs (for ipo
-            #     and simpo the rewards are of the log-ratios those losses use: docs/dpo.md).
-            if step % args.log_every == 0 or step == args.total_steps:
-                local = torch.tensor(list(sums.values()), device=device)
-                if run.ddp:
-                    dist.all_reduce(local)
-                s = dict(zip(sums, (v / args.batch_size for v in local.tolist())))
-                final = {"step": step, "train/loss": s["loss"], "train/nll": s["nll"],
-                         "rewards/chosen": s["chosen"], "rewards/rejected": s["rejected"],
-                         "rewards/margins": s["chosen"] - s["rejected"], "rewards/accuracies": s["correct"],
-                         "logps/chosen": s["logps_chosen"], "logps/rejected": s["logps_rejected"],
-                         "train/grad_norm": float(grad_norm), "train/lr": lr,
-                         "perf/step_s": seconds / (step - last_log),
-                         "perf/tokens_per_s": tokens * world / max(seconds, 1e-9)}
-                run.log(final)
-                tokens, seconds, last_log = 0, 0.0, step
-
-    # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) in final/.
-    return run.finish(final, measure, save, (lambda: copy.deepcopy(raw_model).merge_and_unload()) if args.lora_r
-                      else raw_model, tokenizer)
-
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
 # A reader need not modify it. A function here with the same name in another script is the same text there.
@@ -703,8 +701,8 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids,
 
 
 def lm_head(model, dtype: torch.dtype) -> dict:
-    """The output head as kernels.linear_token_logprobs takes it: weight, bias, and the config's logit scale (Cohere;
-    Granite divides) and final soft-capping (Gemma 2, 3), so that log-probs are of the model's own logits."""
+    """The head as kernels.linear_token_logprobs takes it: weight, bias, logit scale (Cohere; Granite divides) and
+    soft-capping (Gemma 2, 3)."""
     head, config = model.get_output_embeddings(), model.config
     bias = getattr(head, "bias", None)
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
@@ -712,13 +710,23 @@ def lm_head(model, dtype: torch.dtype) -> dict:
             "logit_scale": None if scale == 1.0 else scale, "softcap": getattr(config, "final_logit_softcapping", None)}
 
 
+class Forward(torch.nn.Module):
+    """fn(module, *args) as a module's forward, for DDP and FSDP2, which act around forward."""
+
+    def __init__(self, fn: Callable, module):
+        super().__init__()
+        self.fn, self.module = fn, module
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+
 CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Sampling and greedy evaluation follow this script's flags alone: of the checkpoint's generation_config only the
-    special tokens are kept (transformers fills every field a script leaves unset from it, e.g. a repetition_penalty,
-    and the sampler would no longer be softmax(logits / T)); the fields dropped are named once. -> the EOS ids."""
+    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
+    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -734,9 +742,8 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
-    single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none).
-    Bad data is one line naming the file and the line; a folder's missing splits are named together."""
+    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
+    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -780,7 +787,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
 
 
 def json_lines_problem(file: Path, option: str) -> Optional[str]:
-    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why', or None."""
+    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why'."""
     rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
     if not rows:
         return " is empty: it needs at least one JSON line"
@@ -819,7 +826,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 
 def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
-    """The checks every script makes before any work: counts, device, model folders, --fsdp."""
+    """Counts, device, model folders and --fsdp, before any work."""
     for name in positive + non_negative:
         low = name in positive and getattr(args, name) <= 0
         if low or getattr(args, name) < 0:
@@ -839,7 +846,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
 
 
 def check_fsdp(args) -> None:
-    """--fsdp: launched by torchrun, no LoRA, and decoder layers to shard (found on a weightless copy of the model)."""
+    """--fsdp: under torchrun, no LoRA, and decoder layers to shard (looked for on a weightless copy)."""
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
@@ -849,8 +856,8 @@ def check_fsdp(args) -> None:
         raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
                          "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights and "
-                         f"optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
+                         f"and optimizer states, per process): pass a complete checkpoint of the run")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -878,28 +885,28 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own arguments, with the flags given here that differ from their defaults applied on top
-    (`may_change`: cadence, tracking, device) or refused. -> (args, {flag: [run's value, new value]})."""
+    """--resume: the run's own args; flags given here apply if in `may_change`, else are refused. -> (args, changes)"""
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass " + (
-            f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "runs/<run>/checkpoints/step_N"))
+        where = "runs/<run>/checkpoints/step_N"
+        if found:
+            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
-    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
-                 if k in cls.__dataclass_fields__})  # JSON has no tuples
-    for name in cls.__dataclass_fields__:
+    fields = cls.__dataclass_fields__
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
+    for name in fields:
         given = getattr(args, name)
         if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
-                             f"({args.resume}/args.json): it would change the algorithm or the data, so it cannot "
-                             f"change on resume; drop the flag, or start a new run. Flags that may change: "
-                             f"{', '.join('--' + n.replace('_', '-') for n in may_change)}")
+                             f"({args.resume}/args.json) and cannot change on resume; drop the flag, or start a new "
+                             f"run. Flags that may change: {', '.join('--' + n.replace('_', '-') for n in may_change)}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -912,8 +919,8 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. weights: the state
-    dict to write (--fsdp gathers it), else the model's own; sharded: a folder moved in as sharded/ (--fsdp)."""
+    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
+    gathered, `sharded` is moved in as sharded/.)"""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -932,9 +939,9 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as each process sees it: processes, device and seeds; with `with run:` the run directory (rank 0;
-    removed if the run fails before its first step ends), W&B and Ctrl-C (the first finishes the step and saves,
-    a second quits); metrics, evaluation and checkpoint cadence, the progress line, and the closing summary."""
+    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
+    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
+    evaluation and checkpoint cadence, the progress line and the closing summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -960,8 +967,7 @@ class Run:
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
-        """--resume: the trained weights (this process's shards under --fsdp, the LoRA adapters, or the whole model),
-        the optimizer's and scheduler's states and the RNGs -> trainer_state.pt's entries ({} on a new run)."""
+        """--resume: weights (shards, LoRA adapters or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -987,8 +993,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2's fully_shard on each decoder layer, then on `module` (the root, which keeps the rest: the
-        embeddings, the head); on CUDA the parameters compute in bfloat16 and gradients reduce in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
+        in bfloat16, gradients reduced in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1004,9 +1010,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: every process holds the whole weights of the trained model (sharded first) inside: sampling and
-        evaluation run without a collective per decode step, so a process may run more steps than another; sharded
-        again on leaving. The reference stays sharded. Without --fsdp, nothing."""
+        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
+        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1021,8 +1026,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model) -> Optional[dict]:
-        """--fsdp: the model's whole state dict on rank 0's CPU (every process takes part); None elsewhere and without
-        FSDP."""
+        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -1031,8 +1035,7 @@ class Run:
         return whole if self.rank == 0 else None
 
     def load_sharded(self, path) -> None:
-        """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
-        (torch.distributed.checkpoint), each process reading its own shards."""
+        """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -1050,8 +1053,7 @@ class Run:
         return torch.cat(parts)
 
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
-        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, step, args, RNGs, every process's
-        `per_rank` tensors)."""
+        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
@@ -1074,8 +1076,7 @@ class Run:
             dist.barrier()
 
     def log(self, metrics: dict, table: Optional[tuple[str, list, list]] = None) -> None:
-        """A row of metrics.jsonl and W&B (with `table`: key, columns, rows of samples), from rank 0; on CUDA a training
-        row gets perf/peak_gb, the peak of torch.cuda.max_memory_allocated so far (rank 0's)."""
+        """A row of metrics.jsonl and W&B (`table`: key, columns, rows); on CUDA a training row gets perf/peak_gb."""
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -1122,12 +1123,17 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:  # (no login: wandb.init says how to log in, or WANDB_MODE=offline)
+        if args.track and self.rank == 0:
             import wandb
 
+            try:
+                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                           config=vars(args), dir=str(self.dir), resume="allow")
+            except Exception:  # e.g. no login: wandb's own error says how to log in
+                if not args.resume:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                raise
             self.wandb = wandb
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args),
-                       dir=str(self.dir), resume="allow")
         self.previous = signal.signal(signal.SIGINT, self.interrupt)
         return self
 
@@ -1146,8 +1152,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps, with evaluation at 0 and every --eval-every, a checkpoint every
-        --save-every, and after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
+        after a Ctrl-C a checkpoint and the end of the loop."""
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -1181,8 +1187,8 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it), and the
-        summary: each eval metric at the start and the end, where final/ is, and `notes` for the next step."""
+        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
+        summary (each eval metric at the start and the end, `notes`)."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()
@@ -1202,8 +1208,7 @@ class Run:
 
 
 def command_line(Args, main) -> None:
-    """`python <script>.py --flags`: main(the flags); bad input caught by the checks here as one line that names the
-    fix, not a traceback; a second Ctrl-C quits at once with code 130 (the last checkpoint written is intact)."""
+    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
     try:
         main(tyro.cli(Args))
     except KeyboardInterrupt:
@@ -1214,7 +1219,7 @@ def command_line(Args, main) -> None:
         while tb.tb_next:
             tb = tb.tb_next
         if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library, not by a check of this repository: the traceback says where
+            raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

@@ -1,35 +1,24 @@
-"""Group Relative Policy Optimization (GRPO) and its 2025 family: Dr.GRPO, DAPO, BNPO, GSPO, CISPO, RLOO's baseline.
+"""GRPO (DeepSeekMath, arXiv:2402.03300, Sec. 4) and its 2025 family: Dr.GRPO, DAPO, BNPO, GSPO, CISPO, RLOO's baseline.
 
-GRPO (DeepSeekMath, arXiv:2402.03300, Sec. 4): sample G completions o_1..o_G of each prompt q from the
-old policy, score them, and give every token of o_i the group-normalised reward as its advantage,
-    A_i = (r_i - mean(r)) / std(r)                                          (Sec. 4.1.2)
-then maximise the clipped surrogate minus a KL penalty to a frozen reference (Eq. 3, KL_k3 of Eq. 4),
-    J = E[ 1/G sum_i 1/|o_i| sum_t min(rho A_i, clip(rho, 1-eps_low, 1+eps_high) A_i) - beta KL ],
-    rho = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t).
-Variants: Dr.GRPO (arXiv:2503.20783) `--scale-rewards none --loss-type dr_grpo`; DAPO (arXiv:2503.14476)
-`--clip-high 0.28 --dynamic-sampling --mask-truncated-completions --loss-type dapo`; `--loss-type bnpo`; GSPO
-(arXiv:2507.18071) `--importance-sampling-level sequence` or `sequence_token`; CISPO (arXiv:2506.13585) `--loss-type
-cispo`; RLOO's leave-one-out baseline `--baseline rloo`; two-sided clipping `--delta 4`; the policy gradient on
-high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`. Their equations: `policy_loss`.
+Sample G completions o_i of each prompt, score them, give every token of o_i the advantage A_i = (r_i - mean(r)) /
+std(r) (Sec. 4.1.2), and maximise the clipped surrogate minus beta KL to a frozen reference (Eq. 3, k3 of Eq. 4):
+    J = E[ 1/G sum_i 1/|o_i| sum_t min(rho A_i, clip(rho, 1-eps_low, 1+eps_high) A_i) - beta KL ],  rho = pi / pi_old.
+Variants (their equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards none --loss-type dr_grpo`;
+DAPO (arXiv:2503.14476) `--clip-high 0.28 --dynamic-sampling --mask-truncated-completions --loss-type dapo`; bnpo;
+GSPO (arXiv:2507.18071) `--importance-sampling-level sequence|sequence_token`; CISPO (arXiv:2506.13585) `--loss-type
+cispo`; RLOO `--baseline rloo`; `--delta 4`; high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`.
 
-Run:
     python grpo.py                                                # models/tiny-arith on data/arith, CPU
-    python grpo.py --scale-rewards group --beta 0.04              # the paper's advantages and KL penalty
     python grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
         --max-completion-length 512 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
     torchrun --nproc-per-node 2 grpo.py                           # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/grpo.md):
-- Defaults fit the 0.9M-parameter embedded model: unscaled advantages (`--scale-rewards none`), 64 prompts
-  x 8 completions a step, two updates on each (mu = 2), 250 steps at lr 1e-4 with warmup and cosine decay,
-  temperature 0.7, beta 0.
-- With beta = 0, completions whose advantage is 0 skip the forward and backward pass (their loss and gradient
-  are exactly 0; the normalisers still count them), except under --fsdp (every process runs as many passes).
-- Completions are sorted by length into micro-batches, each padded to its own longest.
-- One step = one batch of completions and `--num-iterations` updates on it; the lr schedule advances once.
-- Log-probs are of softmax(logits / T), the distribution sampled from; top-k / top-p are not part of them.
-- std is the unbiased one + 1e-4 (as TRL); a group whose rewards are all equal gets advantage 0.
-- Dropout is off; over-long prompts keep their last tokens (as TRL).
+- Defaults fit the 0.9M-parameter embedded model: `--scale-rewards none`, 64 prompts x 8 completions a step, mu = 2
+  updates on each, 250 steps at lr 1e-4 (warmup, cosine decay), temperature 0.7, beta 0.
+- With beta = 0, zero-advantage completions skip the forward and backward pass (their gradient is exactly 0).
+- Log-probs are of softmax(logits / T), the distribution sampled from (no top-k / top-p).
+- std is the unbiased one + 1e-4 (as TRL); dropout is off; over-long prompts keep their last tokens (as TRL).
 - Under torchrun each process draws its own prompts; rewards are gathered for batch-level statistics.
 """
 
@@ -64,7 +53,113 @@ from rewards import DEFAULT_SPEC, make_reward
 
 @dataclass
 class Args:
-    # --- experiment / tracking
+    # --- algorithm
+    num_generations: int = 8
+    """G, completions sampled per prompt"""
+    prompts_per_step: int = 64
+    """prompts per step over all processes (a batch of prompts_per_step x G completions)"""
+    max_completion_length: int = 40
+    """most new tokens per completion (also the greedy evaluation's)"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs are those of the tempered distribution"""
+    reward: str = DEFAULT_SPEC
+    """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
+    scale_rewards: Literal["group", "batch", "none"] = "none"
+    """divide advantages by the std of the group (GRPO), of the batch, or not at all (Dr.GRPO)"""
+    baseline: Literal["mean", "rloo"] = "mean"
+    """subtract the group's mean reward, or the mean of the other G - 1 (RLOO)"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and refill them from fresh prompts"""
+    max_resample_rounds: int = 4
+    """dynamic sampling: most extra draws per step before topping up with dropped groups"""
+    mask_truncated_completions: bool = False
+    """DAPO overlong filtering: completions without EOS get no loss"""
+    beta: float = 0.0
+    """KL coefficient to the frozen reference model (0: no reference model is kept)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html (k3: Eq. 4)"""
+    num_iterations: int = 2
+    """mu, optimiser updates on each batch of completions"""
+    clip_low: float = 0.2
+    """epsilon_low: the ratio is clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """epsilon_high: the ratio is clipped above at 1 + clip_high (DAPO: 0.28)"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
+    """the loss's normaliser (aggregate_loss); cispo: CISPO's loss with dapo's normaliser"""
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
+    """ratio per token (GRPO), one length-normalised ratio per completion (GSPO), or GSPO-token"""
+    delta: Optional[float] = None
+    """two-sided clipping: cap on the ratio of negative-advantage tokens (INTELLECT-2; None: off)"""
+    top_entropy_quantile: float = 1.0
+    """rho: policy gradient only on the batch's top-rho fraction of tokens by entropy (1: all)"""
+    importance_sampling_cap: Optional[float] = None
+    """truncated importance sampling (TIS): each token's loss times min(pi_old / pi_sampler, cap); None: off"""
+
+    # --- model / data
+    model_name_or_path: str = "models/tiny-arith"
+    """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
+    dataset: str = "data/arith"
+    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    dataset_split: str = "train"
+    """split with the training prompts"""
+    eval_split: Optional[str] = "test"
+    """split with prompts and answers for greedy-decoding accuracy (None: no eval)"""
+    prompt_column: str = "prompt"
+    """column holding the prompt (a string, or chat messages with --use-chat-template)"""
+    answer_column: str = "answer"
+    """column holding the reference answer; rewards receive it as `answer`"""
+    use_chat_template: bool = False
+    """wrap each prompt in the tokenizer's chat template (instruct models)"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens keep their last tokens"""
+    eval_limit: int = 500
+    """evaluate on at most this many eval examples"""
+    lora_r: int = 0
+    """rank of LoRA adapters on every linear layer (0: train all weights); needs peft"""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch"""
+
+    # --- optimisation
+    learning_rate: float = 1e-4
+    """peak learning rate of AdamW"""
+    total_steps: int = 250
+    """training steps; may change on --resume (the lr decay then ends at the new last step)"""
+    micro_batch_size: int = 0
+    """completions per forward/backward pass (0: the largest divisor of the batch up to 128)"""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """after warmup: cosine or linear decay to 0 at the last step, or constant"""
+    warmup_steps: int = 30
+    """linear warmup steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # --- logging / checkpointing
+    log_every: int = 1
+    """steps between rows of metrics.jsonl"""
+    eval_every: int = 50
+    """steps between greedy evaluations (0: only at start and end)"""
+    save_every: int = 0
+    """steps between checkpoints (0: only at the end and on Ctrl-C)"""
+    resume: Optional[str] = None
+    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
+    num_sample_completions: int = 8
+    """completions per logging step in the --track table"""
+
+    # --- engineering / experiment / tracking
+    device: str = "auto"
+    """cuda, cpu, or auto (cuda when available)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
+    generation_backend: Literal["shared", "static"] = "shared"
+    """shared: generate with each group's prompt prefilled once; static: static KV cache, compiled on CUDA"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states (FSDP2) instead of DDP's copies"""
     exp_name: str = "grpo"
     """name of this experiment, part of the run directory name"""
     seed: int = 1
@@ -77,119 +172,6 @@ class Args:
     """Weights & Biases team or user"""
     output_dir: str = "runs"
     """where run directories are created"""
-
-    # --- model / data
-    model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
-    dataset: str = "data/arith"
-    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
-    dataset_split: str = "train"
-    """split with the training prompts"""
-    eval_split: Optional[str] = "test"
-    """split with prompts and reference answers for greedy-decoding accuracy (None: no eval)"""
-    prompt_column: str = "prompt"
-    """column holding the prompt (a string, or a list of chat messages with --use-chat-template)"""
-    answer_column: str = "answer"
-    """column holding the reference answer; rewards receive it as `answer`"""
-    use_chat_template: bool = False
-    """wrap each prompt in the tokenizer's chat template (instruct models)"""
-    max_prompt_length: int = 256
-    """prompts longer than this many tokens keep their last tokens"""
-    eval_limit: int = 500
-    """evaluate on at most this many eval examples"""
-    lora_r: int = 0
-    """rank of LoRA adapters on every linear layer (0: train all weights); needs `pip install peft`"""
-    lora_alpha: float = 32.0
-    """LoRA scaling numerator (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA branch"""
-
-    # --- algorithm
-    num_generations: int = 8
-    """G, completions sampled per prompt"""
-    prompts_per_step: int = 64
-    """prompts per training step (over all processes); the batch is prompts_per_step x G completions"""
-    max_completion_length: int = 40
-    """most new tokens per completion (also the budget of the greedy evaluation)"""
-    temperature: float = 0.7
-    """sampling temperature; log-probs are those of the tempered distribution"""
-    top_p: float = 1.0
-    """nucleus sampling threshold (1: off)"""
-    top_k: int = 0
-    """sample among the k most likely tokens (0: off)"""
-    generation_backend: Literal["shared", "static"] = "shared"
-    """how completions are sampled: shared (generate, each group's prompt prefilled once; fastest on CPU), generate,
-    static (static KV cache, compiled on CUDA), paged (continuous batching); see docs/grpo.md"""
-    reward: str = DEFAULT_SPEC
-    """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
-    scale_rewards: Literal["group", "batch", "none"] = "none"
-    """divide advantages by the std of the group (GRPO), of the batch, or not at all (Dr.GRPO)"""
-    baseline: Literal["mean", "rloo"] = "mean"
-    """subtract the group's mean reward, or the mean of the other G - 1 (RLOO's leave-one-out)"""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and refill them from fresh prompts"""
-    max_resample_rounds: int = 4
-    """dynamic sampling: most extra generation rounds per step before topping up with dropped groups"""
-    mask_truncated_completions: bool = False
-    """DAPO overlong filtering: completions without EOS get no loss"""
-    beta: float = 0.0
-    """KL coefficient to the frozen reference model (0: no reference model is kept)"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html (k3: Eq. 4)"""
-    num_iterations: int = 2
-    """mu, optimiser updates on each batch of completions (ratio != 1 from the second on)"""
-    clip_low: float = 0.2
-    """epsilon_low: the ratio is clipped below at 1 - clip_low"""
-    clip_high: float = 0.2
-    """epsilon_high: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher uses 0.28)"""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
-    """aggregation: sequence mean, process token mean, constant, step token mean; cispo: CISPO's loss (weight capped at
-    1 + clip_high, --clip-low unused), step token mean"""
-    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
-    """ratio per token (GRPO), one length-normalised ratio per completion (GSPO), or GSPO-token"""
-    delta: Optional[float] = None
-    """two-sided clipping: cap on the ratio of tokens with negative advantage (INTELLECT-2; None: off)"""
-    top_entropy_quantile: float = 1.0
-    """rho: policy gradient only on the batch's top-rho fraction of tokens by entropy (1: all tokens)"""
-    importance_sampling_cap: Optional[float] = None
-    """truncated importance sampling (TIS) of the sampler's mismatch: each token's loss times min(pi_old / pi_sampler,
-    cap), for backends whose numerics differ from the trainer's (bf16, compiled); None: off"""
-
-    # --- optimisation
-    learning_rate: float = 1e-4
-    """peak learning rate of AdamW"""
-    total_steps: int = 250
-    """training steps (batches of completions); may change on --resume (the lr decay then ends at the new last step)"""
-    micro_batch_size: int = 0
-    """completions per forward/backward pass, gradients accumulated over the batch (0: largest divisor up to 128)"""
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """after warmup: cosine or linear decay to 0 at the last step, or constant"""
-    warmup_steps: int = 30
-    """linear warmup steps"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
-    device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
-
-    # --- logging / checkpointing
-    log_every: int = 1
-    """steps between rows of metrics.jsonl (and printed lines when the output is not a terminal)"""
-    eval_every: int = 50
-    """steps between greedy evaluations (0: only at start and end)"""
-    save_every: int = 0
-    """steps between checkpoints (0: only at the end and on Ctrl-C)"""
-    resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
-    num_sample_completions: int = 8
-    """completions per logging step in the --track table"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 
@@ -198,13 +180,9 @@ class Args:
 
 
 def group_advantages(rewards: torch.Tensor, scale: str, baseline: str = "mean") -> torch.Tensor:
-    """Group-relative advantages (Sec. 4.1.2 of arXiv:2402.03300); `none` is Dr.GRPO (arXiv:2503.20783).
-
-    rewards: [P, G], G completions of each of P prompts -> advantages [P, G] float32:
-    r_i - mean(group), or with baseline "rloo" r_i - mean of the other G - 1 = G / (G - 1) (r_i - mean(group))
-    (RLOO, arXiv:2402.14740), divided by std(group) + 1e-4 ("group"), std(all P*G rewards) + 1e-4
-    ("batch") or nothing ("none"). A group whose rewards are all equal gets exactly 0, never NaN.
-    """
+    """rewards [P, G] -> advantages [P, G] float32 (Sec. 4.1.2 of arXiv:2402.03300): r_i - mean(group), or with "rloo"
+    r_i - mean of the other G - 1 = G / (G - 1) (r_i - mean(group)) (arXiv:2402.14740), divided by std(group) + 1e-4,
+    std(batch) + 1e-4 or, "none", nothing (Dr.GRPO). A group whose rewards are all equal gets exactly 0."""
     rewards = rewards.float()
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if baseline == "rloo":
@@ -213,7 +191,7 @@ def group_advantages(rewards: torch.Tensor, scale: str, baseline: str = "mean") 
         advantages = advantages / (rewards.std(dim=1, keepdim=True) + 1e-4)
     elif scale == "batch":
         advantages = advantages / (rewards.std() + 1e-4)
-    return advantages.masked_fill(informative_groups(rewards)[:, None].logical_not(), 0.0)
+    return advantages * informative_groups(rewards)[:, None]
 
 
 def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
@@ -231,28 +209,13 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tupl
     return (eos_before == 0).float(), ~is_eos.any(dim=1)
 
 
-def loss_mask(completion_mask: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
-    """Tokens that enter the loss: completion_mask [B, T] float, truncated [B] bool -> [B, T].
-
-    With mask_truncated, completions cut off at the length limit count for nothing (DAPO's overlong
-    filtering, Sec. 3.4 of arXiv:2503.14476): their reward says nothing about a finished answer.
-    """
-    return completion_mask * (~truncated)[:, None].float() if mask_truncated else completion_mask
-
-
 def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *, num_sequences: int,
                    num_tokens: int, max_completion_length: int, local_tokens: int = 0, world: int = 1) -> torch.Tensor:
-    """This micro-batch's share of the step's loss: summed over all micro-batches and processes it is
-
-        grpo     mean over sequences of each sequence's token mean   (the 1/|o_i| of Eq. 3, arXiv:2402.03300)
-        bnpo     mean over processes of each process's token mean over its whole batch (TRL's: local tokens)
+    """per_token_loss, mask: [B, T] -> this micro-batch's share of the step's loss, which is
+        grpo     mean over sequences of each one's token mean  (the 1/|o_i| of Eq. 3)
+        bnpo     mean over processes of each one's token mean (local_tokens: TRL's normaliser)
         dr_grpo  token sum / (num_sequences x max_completion_length)  (arXiv:2503.20783, Sec. 3)
-        dapo     token sum / num_tokens: one token mean over the step (arXiv:2503.14476, Sec. 3.3); cispo too
-
-    per_token_loss, mask: [B, T]; num_sequences, num_tokens: completions and masked tokens in the
-    whole step (all micro-batches and processes); local_tokens: this process's, of `world` -> scalar.
-    None depends on how the batch is cut into micro-batches (bnpo and dapo coincide on one process).
-    """
+        dapo     token sum / num_tokens, the step's tokens  (arXiv:2503.14476, Sec. 3.3); cispo too"""
     masked = (per_token_loss * mask).sum(dim=1)
     if loss_type == "grpo":
         return (masked / mask.sum(dim=1).clamp(min=1.0)).sum() / num_sequences
@@ -260,36 +223,34 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: 
         return masked.sum() / max(local_tokens, 1) / world
     if loss_type == "dr_grpo":
         return masked.sum() / (num_sequences * max_completion_length)
-    if loss_type in ("dapo", "cispo"):
-        return masked.sum() / max(num_tokens, 1)
-    raise ValueError(f"unknown loss type {loss_type!r}: choose grpo, bnpo, dr_grpo, dapo or cispo")
+    return masked.sum() / max(num_tokens, 1)
 
 
-def policy_loss(logp, old_logp, advantages, mask, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token policy-gradient loss of the GRPO family (before the KL term and the aggregation).
-
-    logp, old_logp, mask: [B, T]; advantages: [B, 1] -> (loss [B, T], clipped [B, T]: 1 where the clip zeroes the
-    token's gradient, or under cispo caps its weight). The ratio x, by --importance-sampling-level:
-        token           x_it = pi(o_it) / pi_old(o_it)                    GRPO, Eq. 3 of arXiv:2402.03300
-        sequence        x_it = s_i = exp(1/|o_i| sum_t log x_it)           GSPO, Eq. 7 of arXiv:2507.18071
-        sequence_token  x_it = sg[s_i] pi(o_it) / sg[pi(o_it)]           GSPO-token, Eq. 14 (s_i's value, per-token grad)
-    then, by --loss-type (sg: stop-gradient; delta: two-sided clipping of INTELLECT-2, arXiv:2505.07291),
-        grpo bnpo dr_grpo dapo  -min(min(x, delta) A, clip(x, 1 - eps_low, 1 + eps_high) A)   Eq. 3; GSPO Eq. 5
-        cispo                   -sg[min(x, 1 + eps_high)] A log pi(o_it)   CISPO, Eq. 4-5 of arXiv:2506.13585 (no lower
-                                bound on the weight: MiniMax-M1 sets eps_low large)
-    Token-level clip losses without delta take kernels.clipped_policy_loss instead (fused on GPU, same numbers).
-    """
+def policy_loss(logp, old_logp, advantages, mask, ref_logp, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logp, old_logp, mask, ref_logp (None: beta = 0): [B, T]; advantages: [B, 1] -> per token (loss, kl, clipped:
+    1 where the clip zeroes the gradient or cispo caps the weight). x, by --importance-sampling-level (sg: no grad):
+        token           x_it = pi(o_it) / pi_old(o_it)                 GRPO, Eq. 3 of arXiv:2402.03300
+        sequence        x_it = s_i = exp(1/|o_i| sum_t log x_it)       GSPO, Eq. 7 of arXiv:2507.18071
+        sequence_token  x_it = sg[s_i] pi(o_it) / sg[pi(o_it)]         GSPO-token, Eq. 14
+    then by --loss-type, plus beta KL (Eq. 4; delta: INTELLECT-2's two-sided clip, arXiv:2505.07291):
+        clip losses  -min(min(x, delta) A, clip(x, 1 - eps_low, 1 + eps_high) A)   Eq. 3; GSPO Eq. 5
+        cispo        -sg[min(x, 1 + eps_high)] A log pi(o_it)                     Eq. 4-5 of arXiv:2506.13585
+    On CUDA, token-level clip losses without delta run as the fused kernels.clipped_policy_loss (same numbers)."""
+    if logp.is_cuda and args.loss_type != "cispo" and args.importance_sampling_level == "token" and args.delta is None:
+        return clipped_policy_loss(logp, old_logp, advantages, ref_logp=ref_logp, clip_low=args.clip_low,
+                                   clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
     log_ratio = logp - old_logp
     if args.importance_sampling_level != "token":
         seq = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
-        log_ratio = (seq.expand_as(logp) if args.importance_sampling_level == "sequence"
-                     else logp - logp.detach() + seq.detach())
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+        log_ratio = seq if args.importance_sampling_level == "sequence" else logp - logp.detach() + seq.detach()
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0)).expand_as(logp)
+    kl = torch.zeros_like(logp) if ref_logp is None else kl_estimate(logp, ref_logp, args.kl_estimator)
     if args.loss_type == "cispo":
-        return -ratio.clamp(max=1 + args.clip_high).detach() * advantages * logp, (ratio > 1 + args.clip_high).float()
+        weight = ratio.clamp(max=1 + args.clip_high).detach()
+        return -weight * advantages * logp + args.beta * kl, kl, (ratio > 1 + args.clip_high).float()
     unclipped = (ratio if args.delta is None else ratio.clamp(max=args.delta)) * advantages
     clipped = ratio.clamp(1 - args.clip_low, 1 + args.clip_high) * advantages
-    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+    return -torch.minimum(unclipped, clipped) + args.beta * kl, kl, (clipped < unclipped).float()
 
 
 def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,8 +261,8 @@ def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torc
 
 
 def high_entropy_tokens(entropy: list[torch.Tensor], masks: list[torch.Tensor], rho: float) -> list[torch.Tensor]:
-    """"Beyond the 80/20 rule" (arXiv:2506.01939): the tokens whose entropy H_it >= tau, the (1 - rho)-quantile
-    of the entropies of all the batch's loss tokens. entropy, masks: [B_k, T_k] per micro-batch -> keep [B_k, T_k] bool."""
+    """entropy, masks: [B_k, T_k] per micro-batch -> [B_k, T_k] bool: H_it >= the (1 - rho)-quantile of all the loss
+    tokens' entropies ("Beyond the 80/20 rule", arXiv:2506.01939)."""
     pooled = torch.cat([h[m > 0] for h, m in zip(entropy, masks)]).float()
     tau = torch.quantile(pooled, 1 - rho) if len(pooled) else 0.0
     return [h >= tau for h in entropy]
@@ -309,13 +270,9 @@ def high_entropy_tokens(entropy: list[torch.Tensor], masks: list[torch.Tensor], 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                         temperature: float, with_entropy: bool = False):
-    """Log-probs of the completion tokens from the last hidden states and the lm_head, never the full logits.
-
-    input_ids, attention_mask: [B, Tp + Tc], prompts left-padded to Tp, then the completions
-    -> logp [B, Tc] float32 (, entropy [B, Tc]). Hidden state t predicts token t + 1. Positions count
-    real tokens only, as `generate` does with left padding. The head's bias, logit scale (Cohere) and
-    soft-capping (Gemma 2) are applied (lm_head).
-    """
+    """input_ids, attention_mask: [B, Tp + Tc], prompts left-padded to Tp -> completion log-probs [B, Tc] float32
+    (, entropy [B, Tc]) from the last hidden states and the head (lm_head), never the full logits. Positions count
+    real tokens only, as `generate` does."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
@@ -323,25 +280,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                                  temperature=temperature, with_entropy=with_entropy, **lm_head(model, hidden.dtype))
 
 
-class PolicyLogprobs(torch.nn.Module):
-    """The policy as DDP and FSDP2 see it: they act around the forward of the module they wrap (DDP syncs gradients,
-    FSDP2 gathers the weights outside the decoder layers: embeddings and lm_head)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float, with_entropy: bool = True):
-        return completion_logprobs(self.model, input_ids, attention_mask, prompt_width, temperature, with_entropy)
-
-
 def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
-    """Rows grouped `size` at a time by completion length (longest first), with the columns each group needs,
-    so that a micro-batch is padded to its own longest prompt and completion rather than the batch's.
-
-    prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc]
-    -> [(rows [size] long, first prompt column kept, completion columns kept)].
-    """
+    """prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc] -> rows `size` at a time, longest completion first,
+    each with the columns it needs: [(rows, first prompt column, completion columns)]."""
     lengths = completion_mask.sum(dim=1)
     out = []
     for rows in torch.argsort(lengths, descending=True, stable=True).split(size):
@@ -351,11 +292,8 @@ def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torc
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak learning rate: linear warmup, then cosine/linear decay to 0 or constant.
-
-    anchor (s0, f0): a run resumed at step s0 (after warmup) with a new `total`: the decay starts again from the
-    factor f0 it had reached and ends at 0 on the new last step, so the lr neither jumps nor stops early.
-    """
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
+    at s0 with a new `total`, the decay goes on from f0 and ends at 0 on the new last step."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -365,84 +303,60 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
     return scale * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress)
 
 
-
-
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids [B, T] left-padded with pad_id, attention mask [B, T])."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-    return ids, mask
-
-
-def pad_width(x: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
-    """x: [B, T] -> [B, width] padded with value on the left or the right."""
-    pad = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
-    return torch.nn.functional.pad(x, pad, value=value)
+    ids = [torch.tensor(r, dtype=torch.long) for r in rows]
+    pad = torch.nn.utils.rnn.pad_sequence
+    return (pad(ids, batch_first=True, padding_value=pad_id, padding_side="left"),
+            pad([torch.ones_like(r) for r in ids], batch_first=True, padding_side="left"))
 
 
 def take_rows(batch: dict, rows: torch.Tensor) -> dict:
-    """Select rows (the first dimension) of every tensor, list and nested dict of a rollout batch."""
+    """Rows of every tensor, list and nested dict of a rollout batch."""
     out = {}
     for k, v in batch.items():
         if isinstance(v, dict):
             out[k] = take_rows(v, rows)
-        elif isinstance(v, torch.Tensor):
-            out[k] = v[rows.to(v.device)]
-        else:
+        elif isinstance(v, list):
             out[k] = [v[i] for i in rows.tolist()]
+        else:
+            out[k] = v[rows.to(v.device)]
     return out
 
 
-# prompts are padded on the left, completions on the right: the layout `generate` produces
-LEFT_PADDED = {"prompt_ids": True, "prompt_mask": True, "completion_ids": False, "completion_mask": False,
-               "sampler_logp": False}
-
-
 def concat_rollouts(batches: list[dict], pad_id: int) -> dict:
-    """Row-concatenate rollout batches whose prompt/completion widths differ, re-padding them."""
+    """Rollout batches as one: prompts re-padded on the left, completions on the right."""
     out = {}
     for k, v in batches[0].items():
         values = [b[k] for b in batches]
         if isinstance(v, dict):
-            out[k] = {name: torch.cat([x[name] for x in values]) for name in v}
-        elif k in LEFT_PADDED:
-            width = max(x.shape[1] for x in values)
-            fill = pad_id if k.endswith("ids") else 0
-            out[k] = torch.cat([pad_width(x, width, fill, LEFT_PADDED[k]) for x in values])
-        elif isinstance(v, torch.Tensor):
+            out[k] = concat_rollouts(values, pad_id)
+        elif isinstance(v, list):
+            out[k] = sum(values, [])
+        elif v.dim() == 1:
             out[k] = torch.cat(values)
         else:
-            out[k] = [x for vs in values for x in vs]
+            width = max(x.shape[1] for x in values)
+            fill = pad_id if k.endswith("ids") else 0
+            pads = [(width - x.shape[1], 0) if k.startswith("prompt") else (0, width - x.shape[1]) for x in values]
+            out[k] = torch.cat([torch.nn.functional.pad(x, pad, value=fill) for x, pad in zip(values, pads)])
     return out
 
 
 def dynamic_sampling(draw: Callable[[int], dict], num_groups: int, group_size: int, max_rounds: int,
-                     pad_id: int) -> tuple[dict, int, int]:
-    """DAPO dynamic sampling (arXiv:2503.14476, Sec. 3.2): keep only groups whose rewards differ.
-
-    draw(n) -> a rollout batch of n groups (n x group_size rows, group-major) with rewards["total"].
-    Draws num_groups, then refills the dropped ones from fresh prompts, at most max_rounds more draws;
-    if still short, tops up with dropped (zero-advantage) groups so the batch keeps its size.
-    -> (batch of num_groups groups, draws made, informative groups in the batch).
-    """
-    kept, dropped, n_kept, draws = [], [], 0, 0
-    while n_kept < num_groups and draws <= max_rounds:
-        batch = draw(num_groups - n_kept)
-        draws += 1
-        good = informative_groups(batch["rewards"]["total"].view(-1, group_size))
-        rows = torch.arange(good.numel() * group_size).view(-1, group_size)
-        if good.any():
-            kept.append(take_rows(batch, rows[good].flatten()))
-            n_kept += int(good.sum())
-        if not good.all():
-            dropped.append(take_rows(batch, rows[~good].flatten()))
-    out = concat_rollouts(kept + dropped, pad_id)
-    return take_rows(out, torch.arange(num_groups * group_size)), draws, min(n_kept, num_groups)
+                     pad_id: int) -> tuple[dict, dict]:
+    """DAPO dynamic sampling (arXiv:2503.14476, Sec. 3.2): draw(n) samples n groups; draws go on (at most max_rounds
+    more) until num_groups have rewards that differ, short of which zero-advantage groups fill the batch."""
+    batches, n_kept = [], 0
+    while n_kept < num_groups and len(batches) <= max_rounds:
+        batches.append(draw(num_groups - n_kept))
+        n_kept += int(informative_groups(batches[-1]["rewards"]["total"].view(-1, group_size)).sum())
+    batch = concat_rollouts(batches, pad_id)
+    good = informative_groups(batch["rewards"]["total"].view(-1, group_size))
+    chosen = torch.argsort((~good).int(), stable=True)[:num_groups]  # informative groups first, in the order drawn
+    rows = (chosen[:, None] * group_size + torch.arange(group_size)).flatten()
+    return take_rows(batch, rows), {"train/sampling_draws": len(batches),
+                                    "train/informative_groups": int(good[chosen].sum())}
 
 
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
@@ -484,8 +398,7 @@ class DataOrder:
 @torch.no_grad()
 def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: str, eos_ids, reward, autocast,
             timing: dict) -> dict:
-    """Steps 1-2 of Algorithm 1 (arXiv:2402.03300) for the prompts `rows`: sample (one batched generate with the KV
-    cache) and score. data: {"ids", "prompts", "texts", "columns"} of the split -> the rollout batch."""
+    """Steps 1-2 of Algorithm 1 (arXiv:2402.03300) for the prompts `rows` of data (load_prompts): sample and score."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
@@ -499,75 +412,74 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: 
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
     return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
-            "sampler_logp": sampler_logp,
-            "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
+            "sampler_logp": sampler_logp, "truncated": truncated,
+            "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
 
 def micro_batches(batch: dict, advantages: torch.Tensor, mask: torch.Tensor, size: int, skip_zero: bool) -> list[dict]:
-    """The batch cut into length-sorted micro-batches of `size` rows, each trimmed to its own widest prompt and
-    completion. skip_zero: leave out rows whose advantage is 0 (with beta = 0 their loss and gradient are exactly
-    0 under Eq. 3, and the normalisers still count them), keeping at least one micro-batch so DDP syncs."""
+    """The batch in length-sorted micro-batches of `size` rows, each trimmed to its own widest prompt and completion.
+    skip_zero: without the rows whose advantage is 0 (at beta = 0 their gradient is exactly 0; the normalisers still
+    count them), but at least one micro-batch, so that DDP syncs."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
     width = batch["prompt_ids"].shape[1]
-    needed = advantages != 0 if skip_zero else torch.ones_like(advantages, dtype=torch.bool)
-    if not needed.any():
-        needed[:size] = True
-    kept = needed.nonzero().squeeze(1)
-    return [{"ids": ids[r, first : width + end], "attention": attention[r, first : width + end],
-             "prompt_width": width - first, "mask": mask[r, :end], "advantages": advantages[r, None],
-             "sampler_logp": batch["sampler_logp"][r, :end]}
-            for r, first, end in ((kept[rows], first, end) for rows, first, end in length_sorted_micro_batches(
-                batch["prompt_mask"][kept], batch["completion_mask"][kept], size))]
+    kept = torch.arange(len(advantages), device=advantages.device)
+    if skip_zero:
+        kept = kept[advantages != 0] if advantages.any() else kept[:size]
+    out = []
+    for rows, first, end in length_sorted_micro_batches(batch["prompt_mask"][kept], batch["completion_mask"][kept],
+                                                        size):
+        r = kept[rows]
+        out.append({"inputs": (ids[r, first : width + end], attention[r, first : width + end], width - first),
+                    "mask": mask[r, :end], "advantages": advantages[r, None],
+                    "sampler_logp": batch["sampler_logp"][r, :end]})
+    return out
 
 
-def reference_logprobs(ref_model, model, mb: dict, temperature: float) -> torch.Tensor:
-    """The frozen reference's log-probs: a copy of the initial policy (in PolicyLogprobs), or with LoRA the base model
-    without adapters."""
-    if ref_model is not None:
-        return ref_model(mb["ids"], mb["attention"], mb["prompt_width"], temperature, with_entropy=False)
+def reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
+    """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the policy with its adapters off.
+    inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
+    if ref_model is not None:  # Forward(completion_logprobs, the copy)
+        return ref_model(*inputs, temperature)
     with model.disable_adapter():
-        return completion_logprobs(model, mb["ids"], mb["attention"], mb["prompt_width"], temperature)
+        return completion_logprobs(model, *inputs, temperature)
+
+
+def old_policy_terms(mb: dict, old_logp: torch.Tensor, args, reference: Optional[Callable], sums: dict) -> None:
+    """The first update's log-probs are pi_old's (no weight has moved yet); with them the sampler gap, the TIS
+    weights and (beta > 0) the reference's log-probs of micro-batch mb."""
+    mb["old_logp"] = old_logp
+    sums["sampler_gap"] += float(((old_logp - mb["sampler_logp"]).abs() * mb["mask"]).sum())
+    if args.importance_sampling_cap is not None:
+        mb["tis"], capped = truncated_is_weights(old_logp, mb["sampler_logp"], mb["mask"], args.importance_sampling_cap)
+        sums["tis_capped"] += float(capped.sum())
+    if reference is not None:
+        with torch.no_grad():
+            mb["ref_logp"] = reference(mb["inputs"])
 
 
 def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional[Callable], tokens: tuple[int, int],
-                world: int, autocast) -> tuple[dict, torch.Tensor]:
-    """--num-iterations (mu) optimiser updates on one batch: the clipped loss per token (Eq. 3), aggregated per
-    --loss-type. pi_old's log-probs are the first update's (the weights have not moved yet)."""
-    sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "sampler_tokens", "tis_capped"),
-                         0.0)
+                world: int, autocast) -> dict:
+    """mu AdamW updates on one batch: policy_loss per token, aggregated per --loss-type. tokens: the step's loss tokens
+    (all processes, this one's) -> the sums grpo_metrics reads."""
+    sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "tis_capped"), 0.0)
     ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
-    fused = args.loss_type != "cispo" and args.importance_sampling_level == "token" and args.delta is None
     if args.top_entropy_quantile < 1:  # one more forward pass: the entropies of the whole batch, before any update
         with torch.no_grad(), autocast:
-            entropy = [(policy.module if ddp else policy)(mb["ids"], mb["attention"], mb["prompt_width"],
-                                                          args.temperature)[1] for mb in chunks]
-        for mb, keep in zip(chunks, high_entropy_tokens(entropy, [mb["mask"] for mb in chunks], args.top_entropy_quantile)):
-            mb["keep"] = keep
+            entropy = [(policy.module if ddp else policy)(*mb["inputs"], args.temperature, True)[1] for mb in chunks]
+        keep = high_entropy_tokens(entropy, [mb["mask"] for mb in chunks], args.top_entropy_quantile)
+        for mb, k in zip(chunks, keep):
+            mb["keep"] = k
     for iteration in range(args.num_iterations):
         for k, mb in enumerate(chunks):
-            with (policy.no_sync() if ddp and k < len(chunks) - 1 else torch.enable_grad()), autocast:
-                logp, entropy = policy(mb["ids"], mb["attention"], mb["prompt_width"], args.temperature)
+            sync = policy.no_sync() if ddp and k < len(chunks) - 1 else contextlib.nullcontext()  # DDP: on the last
+            with sync, autocast:
+                logp, entropy = policy(*mb["inputs"], args.temperature, True)
                 if iteration == 0:
-                    mb["old_logp"] = logp.detach()
-                    sums["sampler_gap"] += float(((logp.detach() - mb["sampler_logp"]).abs() * mb["mask"]).sum())
-                    sums["sampler_tokens"] += float(mb["mask"].sum())
-                    if args.importance_sampling_cap is not None:
-                        mb["tis"], capped = truncated_is_weights(mb["old_logp"], mb["sampler_logp"], mb["mask"],
-                                                                 args.importance_sampling_cap)
-                        sums["tis_capped"] += float(capped.sum())
-                    if reference is not None:
-                        with torch.no_grad():
-                            mb["ref_logp"] = reference(mb)
-                if fused:
-                    per_token, kl, clipped = clipped_policy_loss(
-                        logp, mb["old_logp"], mb["advantages"], ref_logp=mb.get("ref_logp"), clip_low=args.clip_low,
-                        clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
-                else:
-                    per_token, clipped = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"], args)
-                    kl = kl_estimate(logp, mb["ref_logp"], args.kl_estimator) if "ref_logp" in mb else 0 * logp.detach()
-                    per_token = per_token + args.beta * kl
+                    old_policy_terms(mb, logp.detach(), args, reference, sums)
+                per_token, kl, clipped = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
+                                                     mb.get("ref_logp"), args)
                 if "keep" in mb:  # the policy gradient of high-entropy tokens only; the KL penalty stays on every token
                     per_token = torch.where(mb["keep"], per_token, args.beta * kl)
                 if "tis" in mb:  # the sampler drew the tokens: weigh pi_old's whole per-token loss back to them
@@ -577,132 +489,121 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
                                       max_completion_length=args.max_completion_length)
                 (loss * world).backward()  # DDP averages gradients over processes
             sums["loss"] += loss.item()
-            sums["tokens"] += float(mb["mask"].sum())
-            for name, x in (("kl", kl), ("clip_frac", clipped), ("entropy", entropy)):
+            for name, x in (("kl", kl), ("clip_frac", clipped), ("entropy", entropy), ("tokens", mb["mask"])):
                 sums[name] += float((x.detach() * mb["mask"]).sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return sums, grad_norm
+    return sums
 
 
-RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
-                     "track", "wandb_project_name", "wandb_entity", "device")
+def grpo_metrics(run, args, sums: dict, batch: dict, rewards: torch.Tensor, timing: dict, steps: int) -> dict:
+    """The step's metrics over all processes; perf/ over the `steps` since the last log row."""
+    lengths = batch["completion_mask"].sum(dim=1)
+    totals = {**{k: sums[k] for k in ("loss", "kl", "clip_frac", "entropy", "tis_capped", "tokens")},
+              "length": float(lengths.sum()), "truncated": float(batch["truncated"].sum()), "sequences": len(lengths)}
+    values = torch.tensor(list(totals.values()), device=rewards.device)
+    if run.ddp:
+        dist.all_reduce(values)
+    t = dict(zip(totals, values.tolist()))
+    n_tok = max(t["tokens"], 1)
+    return {"train/loss": t["loss"] / args.num_iterations, "train/reward": float(rewards.mean()),
+            "train/reward_std": float(rewards.std(dim=1).mean()),
+            **{f"rewards/{k}": float(run.gather(v.to(rewards.device)).mean()) for k, v in batch["rewards"].items()
+               if k != "total"},
+            **{f"train/{k}": t[k] / n_tok for k in ("kl", "clip_frac", "entropy")},
+            "train/tis_capped_frac": t["tis_capped"] * args.num_iterations / n_tok,
+            "train/grad_norm": sums["grad_norm"],
+            "train/completion_length": t["length"] / t["sequences"],
+            "train/truncated_frac": t["truncated"] / t["sequences"],
+            "train/frac_zero_std": float((~informative_groups(rewards)).float().mean()),
+            "perf/tokens_per_s": timing["tokens"] * run.world / max(timing["step"], 1e-9),
+            **{f"perf/{k}_s": timing[k] / steps for k in ("step", "generate", "score", "train")}}
 
 
-def check_args(args: Args) -> int:
-    """Every check that needs no model or data loading, before any work; -> the micro-batch each process uses."""
-    check_common(args, ("total_steps", "prompts_per_step", "max_completion_length", "max_prompt_length", "log_every",
-                        "num_iterations", "learning_rate"),
-                 ("eval_every", "save_every", "warmup_steps", "eval_limit", "max_resample_rounds", "lora_r", "top_k",
-                  "num_sample_completions", "micro_batch_size"), (args.model_name_or_path,))
-    if args.num_generations < 2:
-        raise ValueError(f"--num-generations must be >= 2, got {args.num_generations}: GRPO's advantage compares "
-                         f"completions of the same prompt")
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if args.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} does not split evenly over {world} processes: "
-                         f"use a multiple of {world}, e.g. {world * max(1, args.prompts_per_step // world)}")
-    micro = fit_micro_batch(args.micro_batch_size, args.prompts_per_step // world * args.num_generations,
-                            f"each process's completions (--prompts-per-step / {world} processes x --num-generations)"
-                            if world > 1 else "--prompts-per-step x --num-generations")
-    if not args.temperature > 0:
-        raise ValueError(f"need --temperature > 0, got {args.temperature}")
-    if args.top_p != 1 or args.top_k:  # refused rather than silently off-policy
-        raise ValueError(f"--top-p {args.top_p} --top-k {args.top_k}: the trainer's log-probs are of the full "
-                         f"softmax(logits / T), not of a truncated one, so the update would be off-policy; use "
-                         f"--top-p 1 --top-k 0")
-    if args.beta < 0 or not (0 <= args.clip_low <= 1) or args.clip_high < 0:
-        raise ValueError(f"need --beta >= 0, 0 <= --clip-low <= 1 and --clip-high >= 0, got {args.beta}, "
-                         f"{args.clip_low}, {args.clip_high}")
-    if args.importance_sampling_cap is not None and args.importance_sampling_cap < 1:
-        raise ValueError(f"--importance-sampling-cap {args.importance_sampling_cap} must be >= 1, e.g. 2: it caps "
-                         f"pi_old / pi_sampler, and below 1 it would shrink every on-policy token; or leave it off")
-    if args.delta is not None and (args.delta <= 1 + args.clip_high or args.loss_type == "cispo"):
-        raise ValueError(f"--delta {args.delta} caps the ratio of negative-advantage tokens: it needs a clip loss type "
-                         f"and a value above 1 + --clip-high = {1 + args.clip_high}, e.g. --delta 4, or --delta None")
-    if not 0 < args.top_entropy_quantile <= 1:
-        raise ValueError(f"--top-entropy-quantile must be in (0, 1], got {args.top_entropy_quantile}: it is the fraction "
-                         f"of tokens, highest entropy first, that get a policy gradient (0.2 in arXiv:2506.01939)")
-    if args.lora_r:
-        try:
-            import peft  # noqa: F401
-        except ImportError:
-            raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    return micro
-
-
-def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
-    #    up processes, device and seeds.
-    args, overrides = resume_args(args, RESUME_MAY_CHANGE)
-    micro = check_args(args)
-    reward = make_reward(args.reward)
-    run = Run(args, overrides, shown=("train/reward", "eval/accuracy", "train/kl"))
-    device, rank, world, G = run.device, run.rank, run.world, args.num_generations
-
-    # 1. Data: the prompts, tokenised once; the columns the reward needs, checked up front.
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+def load_prompts(args, tokenizer, reward) -> tuple[dict, list, list]:
+    """The training prompts, tokenised, with the columns the reward needs, and the eval split, read (and so checked)
+    before the model loads -> (data, eval prompts, eval answers)."""
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
     train = load_split(args, "dataset_split", [args.prompt_column, *columns.values()],
-                       f"--prompt-column/--answer-column, or a --reward that does not need them; reward {args.reward!r}")
-    raw_prompts = list(train[args.prompt_column])
-    texts = prompt_texts(tokenizer, raw_prompts, args.use_chat_template, args.prompt_column)
-    prompt_ids = [ids[-args.max_prompt_length:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    empty = [i for i, p in enumerate(prompt_ids) if not p]
-    if empty:
-        raise ValueError(f"{len(empty)} prompts of split '{args.dataset_split}' are empty (row {empty[0]}): remove them")
-    data = {"ids": prompt_ids, "prompts": raw_prompts, "texts": texts,
-            "columns": {name: list(train[col]) for name, col in columns.items()}}
-    eval_prompts, eval_answers = [], []
-    if args.eval_split:
-        ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column],
-                        "--prompt-column/--answer-column")
-        n = min(len(ev), args.eval_limit)
-        eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
-        eval_answers = list(ev[args.answer_column][:n])
+                       f"--prompt-column/--answer-column, or a --reward that needs no such column ({args.reward!r})")
+    prompts = list(train[args.prompt_column])
+    texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
+    ids = [row[-args.max_prompt_length:] for row in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    if not all(ids):
+        raise ValueError(f"prompt {ids.index([])} of split '{args.dataset_split}' is empty: remove it")
+    data = {"ids": ids, "prompts": prompts, "texts": texts, "columns": {k: list(train[c]) for k, c in columns.items()}}
+    if not args.eval_split:
+        return data, [], []
+    ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
+    n = min(len(ev), args.eval_limit)
+    eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
+    return data, eval_prompts, list(ev[args.answer_column][:n])
 
-    # 2. Model: the policy (optionally with LoRA adapters) and, only when beta > 0, a frozen reference.
-    weights_dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=weights_dtype).to(device)
+
+def load_policy(args, run, tokenizer):
+    """The policy (dropout off; LoRA with --lora-r) as Forward(completion_logprobs) for DDP or FSDP2, and (beta > 0, no
+    LoRA) a frozen copy as the reference -> (model, policy, ref_model, EOS ids)."""
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(run.device)
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     eos_ids = own_generation_config(model, tokenizer)
-    eos_tensor = torch.tensor(eos_ids, device=device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
+        lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                          target_modules="all-linear", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
     elif args.beta > 0:
-        ref_model = PolicyLogprobs(copy.deepcopy(model)).eval().requires_grad_(False)
-    raw_model, policy = model, PolicyLogprobs(model)
+        ref_model = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
+    policy = Forward(completion_logprobs, model)
     if run.fsdp:  # each decoder layer sharded over the processes, the reference too (FSDP2)
         policy = run.shard(policy, decoder_layers(model))
         ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
     elif run.ddp:
-        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda" else None)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
-    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                  max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=eos_ids)
-    reference = (lambda mb: reference_logprobs(ref_model, raw_model, mb, args.temperature)) if args.beta > 0 else None
+        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[run.device] if run.device.type == "cuda"
+                                                           else None)
+    return model, policy, ref_model, eos_ids
+
+
+RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
+                     "track", "wandb_project_name", "wandb_entity", "device")
+
+
+def main(args: Args) -> dict:
+    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint).
+    args, overrides = resume_args(args, RESUME_MAY_CHANGE)
+    micro = check_args(args)
+    reward = make_reward(args.reward)
+    run = Run(args, overrides, shown=("train/reward", "eval/accuracy", "train/kl"))
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    # 1. Data: the prompts, tokenised once, with the columns the reward needs; the eval split.
+    data, eval_prompts, eval_answers = load_prompts(args, tokenizer, reward)
+
+    # 2. Model: the policy (optionally with LoRA adapters) and, only when beta > 0, a frozen reference.
+    model, policy, ref_model, eos_ids = load_policy(args, run, tokenizer)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
+    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, eos_token_id=eos_ids,
+                                  max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id)
+    reference = (lambda inputs: reference_logprobs(ref_model, model, inputs, args.temperature)) if args.beta else None
 
     # 3. Optimiser, schedule and data order (one per process); on --resume the weights, then all their states.
-    optimizer = torch.optim.AdamW([p for p in raw_model.parameters() if p.requires_grad], lr=args.learning_rate,
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
     run.trained = (policy, optimizer)  # what --fsdp checkpoints in shards
     lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
-    order = DataOrder(len(prompt_ids), args.seed * 1000 + rank)
-    state = run.restore(raw_model, optimizer, scheduler)
+    order = DataOrder(len(data["ids"]), args.seed * 1000 + run.rank)
+    state = run.restore(model, optimizer, scheduler)
     if state:
         reward.load_state_dict(state["reward"])
         order.load(state)
@@ -714,26 +615,26 @@ def main(args: Args) -> dict:
     def measure() -> tuple[dict, list]:
         if not eval_prompts:
             return {}, []
-        acc, samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
+        acc, samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
                                        eos_ids, progress=run.progress)
         return {"eval/accuracy": acc}, samples
 
     def save() -> Path:
-        return run.checkpoint(raw_model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
-                                                     "reward": reward.state_dict(),
-                                                     "scheduler": scheduler.state_dict(), "lr_anchor": lr_anchor},
-                              per_rank=order.state())
+        state = {"optimizer": None if run.fsdp else optimizer.state_dict(), "reward": reward.state_dict(),
+                 "scheduler": scheduler.state_dict(), "lr_anchor": lr_anchor}
+        return run.checkpoint(model, tokenizer, state, per_rank=order.state())
 
-    def sample(n: int) -> dict:
-        return rollout(raw_model, tokenizer, data, [i for i in order.draw(n) for _ in range(G)], gen_config,
-                       args.generation_backend, eos_tensor, reward, autocast, timing)
+    def draw(n: int) -> dict:
+        return rollout(model, tokenizer, data, [i for i in order.draw(n) for _ in range(G)], gen_config,
+                       args.generation_backend, torch.tensor(eos_ids, device=run.device), reward, autocast, timing)
 
     # 4. Train.
-    n_train = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
-    run.say(f"run directory: {run.dir}  |  {len(prompt_ids)} training prompts, {len(eval_prompts)} eval prompts, "
-            f"{n_train / 1e6:.2f}M trainable parameters on {device}, micro-batch {micro}")
-    groups, final, tokens, last_log = args.prompts_per_step // world, {}, 0, run.start
-    timing = dict.fromkeys(("step", "generate", "score", "train"), 0.0)  # seconds since the last log row
+    G, groups = args.num_generations, args.prompts_per_step // run.world
+    run.say(f"run directory: {run.dir}  |  {len(data['ids'])} training prompts, {len(eval_prompts)} eval prompts, "
+            f"{sum(p.numel() for p in optimizer.param_groups[0]['params']) / 1e6:.2f}M trainable parameters on "
+            f"{run.device}, micro-batch {micro}")
+    final, last_log = {}, run.start
+    timing = dict.fromkeys(("step", "generate", "score", "train", "tokens"), 0.0)  # since the last log row
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
@@ -741,61 +642,78 @@ def main(args: Args) -> dict:
             #     sampling, replace groups whose rewards are all equal (DAPO, Sec. 3.2).
             with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
                 if args.dynamic_sampling:
-                    batch, draws, n_informative = dynamic_sampling(sample, groups, G, args.max_resample_rounds,
-                                                                   tokenizer.pad_token_id)
+                    batch, draws = dynamic_sampling(draw, groups, G, args.max_resample_rounds, tokenizer.pad_token_id)
                 else:
-                    batch, draws, n_informative = sample(groups), 1, None
+                    batch, draws = draw(groups), {}
             t_train = time.perf_counter()
             # 4b. Group-relative advantages over the global batch; this process keeps its own rows.
-            rewards = run.gather(batch["rewards"]["total"].to(device)).view(-1, G)
-            advantages = group_advantages(rewards, args.scale_rewards, args.baseline).view(-1)[rank * groups * G:][: groups * G]
-            mask = loss_mask(batch["completion_mask"], batch["truncated"], args.mask_truncated_completions)
+            rewards = run.gather(batch["rewards"]["total"].to(run.device)).view(-1, G)
+            advantages = group_advantages(rewards, args.scale_rewards, args.baseline).view(run.world, -1)[run.rank]
+            mask = batch["completion_mask"]
+            if args.mask_truncated_completions:  # DAPO's overlong filtering (Sec. 3.4): cut-off completions get no loss
+                mask = mask * ~batch["truncated"][:, None]
             # (under --fsdp every process runs as many passes as the others: each gathers and reduces over them all)
             chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0 and not run.fsdp)
-            # 4c. mu updates on this batch: the clipped loss per token (Eq. 3), aggregated per --loss-type.
-            sums, grad_norm = grpo_update(policy, optimizer, chunks, args, reference,
-                                          (int(run.gather(mask.sum()[None]).sum()), int(mask.sum())), world, autocast)
-            gap = sampler_gap(run, sums["sampler_gap"], sums["sampler_tokens"])  # stops a mismatch at once
-            lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
+            # 4c. mu updates on this batch: the loss per token (Eq. 3), aggregated per --loss-type.
+            tokens = (int(run.gather(mask.sum()[None]).sum()), int(mask.sum()))
+            sums = grpo_update(policy, optimizer, chunks, args, reference, tokens, run.world, autocast)
+            gap = sampler_gap(run, sums["sampler_gap"], sums["tokens"] / args.num_iterations)  # stops a mismatch
+            lr = scheduler.get_last_lr()[0]  # the rate of this step's updates
             scheduler.step()
             timing["train"] += time.perf_counter() - t_train
             timing["step"] += time.perf_counter() - t_step
-            tokens += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+            timing["tokens"] += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
 
-            # 4d. Log rewards per component, lengths, KL, clipping and timings.
+            # 4d. Log rewards per component, lengths, KL, clipping, timings and a few completions.
             if step % args.log_every == 0 or step == args.total_steps:
-                lengths = batch["completion_mask"].sum(dim=1)
-                local = torch.tensor([sums["loss"], *(sums[k] for k in ("kl", "clip_frac", "entropy", "tis_capped",
-                                      "tokens")), float(lengths.sum()), float(batch["truncated"].sum()), len(lengths)],
-                                     device=device)
-                if run.ddp:
-                    dist.all_reduce(local)
-                loss_sum, kl_sum, clip_sum, ent_sum, tis_sum, n_tok, len_sum, n_trunc, n_seq = local.tolist()
-                final = {"step": step, "train/loss": loss_sum / args.num_iterations,
-                         "train/reward": float(rewards.mean()), "train/reward_std": float(rewards.std(dim=1).mean()),
-                         **{f"rewards/{k}": float(run.gather(v.to(device)).mean()) for k, v in batch["rewards"].items()
-                            if k != "total"},
-                         "train/kl": kl_sum / max(n_tok, 1), "train/clip_frac": clip_sum / max(n_tok, 1),
-                         "train/entropy": ent_sum / max(n_tok, 1), "train/sampler_gap": gap,
-                         "train/tis_capped_frac": tis_sum * args.num_iterations / max(n_tok, 1),
-                         "train/grad_norm": float(grad_norm),
-                         "train/lr": lr, "train/completion_length": len_sum / n_seq,
-                         "train/truncated_frac": n_trunc / n_seq,
-                         "train/frac_zero_std": float((~informative_groups(rewards)).float().mean()),
-                         "perf/tokens_per_s": tokens * world / max(timing["step"], 1e-9),
-                         **{f"perf/{k}_s": v / (step - last_log) for k, v in timing.items()}}
-                if args.dynamic_sampling:
-                    final.update({"train/sampling_draws": draws, "train/informative_groups": n_informative})
+                final = {"step": step, **grpo_metrics(run, args, sums, batch, rewards, timing, step - last_log),
+                         "train/sampler_gap": gap, "train/lr": lr, **draws}
                 n = args.num_sample_completions
-                run.log(final, ("train/samples", ["step", "prompt", "completion", "reward", "advantage"],
-                                [[step, p, c, float(r), float(a)] for p, c, r, a in zip(
-                                    batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n],
-                                    advantages[:n])]))
-                tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
+                table = [[step, p, c, float(r), float(a)] for p, c, r, a in zip(
+                    batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n], advantages[:n])]
+                run.log(final, ("train/samples", ["step", "prompt", "completion", "reward", "advantage"], table))
+                last_log = step
+                timing = dict.fromkeys(timing, 0.0)
 
     # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) in final/.
-    return run.finish(final, measure, save, (lambda: copy.deepcopy(raw_model).merge_and_unload()) if args.lora_r
-                      else raw_model, tokenizer)
+    merged = (lambda: copy.deepcopy(model).merge_and_unload()) if args.lora_r else model
+    return run.finish(final, measure, save, merged, tokenizer)
+
+
+def check_args(args: Args) -> int:
+    """Every check that needs no model or data, before any work -> the micro-batch each process uses."""
+    check_common(args, ("total_steps", "prompts_per_step", "max_completion_length", "max_prompt_length", "log_every",
+                        "num_iterations", "learning_rate"),
+                 ("eval_every", "save_every", "warmup_steps", "eval_limit", "max_resample_rounds", "lora_r",
+                  "num_sample_completions", "micro_batch_size"), (args.model_name_or_path,))
+    if args.num_generations < 2:
+        raise ValueError(f"--num-generations must be >= 2, got {args.num_generations}: GRPO compares completions of "
+                         f"the same prompt")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} does not split evenly over {world} processes: "
+                         f"use a multiple of {world}")
+    micro = fit_micro_batch(args.micro_batch_size, args.prompts_per_step // world * args.num_generations,
+                            f"--prompts-per-step / {world} processes x --num-generations")
+    if not args.temperature > 0:
+        raise ValueError(f"need --temperature > 0, got {args.temperature}")
+    if args.beta < 0 or not (0 <= args.clip_low <= 1) or args.clip_high < 0:
+        raise ValueError(f"need --beta >= 0, 0 <= --clip-low <= 1 and --clip-high >= 0, got {args.beta}, "
+                         f"{args.clip_low}, {args.clip_high}")
+    if args.importance_sampling_cap is not None and args.importance_sampling_cap < 1:
+        raise ValueError(f"--importance-sampling-cap {args.importance_sampling_cap} must be >= 1, e.g. 2 (it caps "
+                         f"pi_old / pi_sampler), or None")
+    if args.delta is not None and (args.delta <= 1 + args.clip_high or args.loss_type == "cispo"):
+        raise ValueError(f"--delta {args.delta} caps the ratio of negative-advantage tokens: it needs a clip loss type "
+                         f"and a value above 1 + --clip-high = {1 + args.clip_high}, e.g. 4, or None")
+    if not 0 < args.top_entropy_quantile <= 1:
+        raise ValueError(f"--top-entropy-quantile must be in (0, 1], got {args.top_entropy_quantile}")
+    if args.lora_r:
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
+    return micro
 
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
@@ -829,8 +747,8 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids,
 
 
 def lm_head(model, dtype: torch.dtype) -> dict:
-    """The output head as kernels.linear_token_logprobs takes it: weight, bias, and the config's logit scale (Cohere;
-    Granite divides) and final soft-capping (Gemma 2, 3), so that log-probs are of the model's own logits."""
+    """The head as kernels.linear_token_logprobs takes it: weight, bias, logit scale (Cohere; Granite divides) and
+    soft-capping (Gemma 2, 3)."""
     head, config = model.get_output_embeddings(), model.config
     bias = getattr(head, "bias", None)
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
@@ -839,8 +757,7 @@ def lm_head(model, dtype: torch.dtype) -> dict:
 
 
 class SampledLogprobs:
-    """Last of generate's logits processors (temperature comes after it): the log-prob each token was sampled with,
-    scores[token] / T - logsumexp(scores / T), read one step later when the token is in input_ids."""
+    """A logits processor: each sampled token's log-prob, scores[token] / T - logsumexp(scores / T)."""
 
     def __init__(self, temperature: float):
         self.temperature, self.scores, self.lse, self.logp = temperature, None, None, []
@@ -856,9 +773,9 @@ class SampledLogprobs:
 
 
 def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
-    """One sampling call on left-padded prompts -> the completions [B, Tc] (padded after EOS) and the log-probs the
-    sampler drew them with [B, Tc]. shared: transformers' generate, each run of identical rows (a group) prefilled once
-    and its KV cache repeated; static: a static KV cache (on CUDA transformers compiles the decode step)."""
+    """Left-padded prompts -> completions [B, Tc] (padded after EOS) and the log-probs they were sampled with. shared:
+    generate, each run of equal rows prefilled once and its KV cache repeated; static: a static KV cache (compiled on
+    CUDA)."""
     from transformers import DynamicCache
 
     training = model.training
@@ -886,10 +803,20 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
     return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 
 
+class Forward(torch.nn.Module):
+    """fn(module, *args) as a module's forward, for DDP and FSDP2, which act around forward."""
+
+    def __init__(self, fn: Callable, module):
+        super().__init__()
+        self.fn, self.module = fn, module
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+
 def sampler_gap(run, gap_sum, tokens) -> float:
-    """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
-    a gap beyond float rounding stops the run (the update would be silently off-policy): 1e-3 with float32 weights and
-    no autocast; 0.25 with bfloat16 (a margin: bf16 weights on CPU give ~1e-3)."""
+    """The mean |sampler - trainer| log-prob of the completion tokens, over all processes. On the first batch, a gap
+    beyond float rounding (1e-3 in float32, 0.25 in bfloat16) stops the run: the update would be off-policy."""
     exact = run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda")
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
     gap = float(total[0] / total[1].clamp(min=1))
@@ -897,8 +824,7 @@ def sampler_gap(run, gap_sum, tokens) -> float:
     if not getattr(run, "sampler_checked", False) and gap > tolerance:
         raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
                          f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature) of the "
-                         f"model's forward (a logits processor, a custom generate, a model whose cached decoding "
-                         f"differs from its forward); the policy gradient would be off-policy")
+                         f"model's forward (a logits processor, a custom generate, cached decoding that differs)")
     run.sampler_checked = True
     return gap
 
@@ -907,9 +833,8 @@ CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_conf
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Sampling and greedy evaluation follow this script's flags alone: of the checkpoint's generation_config only the
-    special tokens are kept (transformers fills every field a script leaves unset from it, e.g. a repetition_penalty,
-    and the sampler would no longer be softmax(logits / T)); the fields dropped are named once. -> the EOS ids."""
+    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
+    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -925,9 +850,8 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
-    single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none).
-    Bad data is one line naming the file and the line; a folder's missing splits are named together."""
+    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
+    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -971,7 +895,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
 
 
 def json_lines_problem(file: Path, option: str) -> Optional[str]:
-    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why', or None."""
+    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why'."""
     rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
     if not rows:
         return " is empty: it needs at least one JSON line"
@@ -1010,7 +934,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 
 def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
-    """The checks every script makes before any work: counts, device, model folders, --fsdp."""
+    """Counts, device, model folders and --fsdp, before any work."""
     for name in positive + non_negative:
         low = name in positive and getattr(args, name) <= 0
         if low or getattr(args, name) < 0:
@@ -1030,7 +954,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
 
 
 def check_fsdp(args) -> None:
-    """--fsdp: launched by torchrun, no LoRA, and decoder layers to shard (found on a weightless copy of the model)."""
+    """--fsdp: under torchrun, no LoRA, and decoder layers to shard (looked for on a weightless copy)."""
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
@@ -1040,8 +964,8 @@ def check_fsdp(args) -> None:
         raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
                          "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights and "
-                         f"optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
+                         f"and optimizer states, per process): pass a complete checkpoint of the run")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -1069,28 +993,28 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own arguments, with the flags given here that differ from their defaults applied on top
-    (`may_change`: cadence, tracking, device) or refused. -> (args, {flag: [run's value, new value]})."""
+    """--resume: the run's own args; flags given here apply if in `may_change`, else are refused. -> (args, changes)"""
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass " + (
-            f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "runs/<run>/checkpoints/step_N"))
+        where = "runs/<run>/checkpoints/step_N"
+        if found:
+            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
-    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
-                 if k in cls.__dataclass_fields__})  # JSON has no tuples
-    for name in cls.__dataclass_fields__:
+    fields = cls.__dataclass_fields__
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
+    for name in fields:
         given = getattr(args, name)
         if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
-                             f"({args.resume}/args.json): it would change the algorithm or the data, so it cannot "
-                             f"change on resume; drop the flag, or start a new run. Flags that may change: "
-                             f"{', '.join('--' + n.replace('_', '-') for n in may_change)}")
+                             f"({args.resume}/args.json) and cannot change on resume; drop the flag, or start a new "
+                             f"run. Flags that may change: {', '.join('--' + n.replace('_', '-') for n in may_change)}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -1103,8 +1027,8 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. weights: the state
-    dict to write (--fsdp gathers it), else the model's own; sharded: a folder moved in as sharded/ (--fsdp)."""
+    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
+    gathered, `sharded` is moved in as sharded/.)"""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -1123,9 +1047,9 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as each process sees it: processes, device and seeds; with `with run:` the run directory (rank 0;
-    removed if the run fails before its first step ends), W&B and Ctrl-C (the first finishes the step and saves,
-    a second quits); metrics, evaluation and checkpoint cadence, the progress line, and the closing summary."""
+    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
+    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
+    evaluation and checkpoint cadence, the progress line and the closing summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -1151,8 +1075,7 @@ class Run:
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
-        """--resume: the trained weights (this process's shards under --fsdp, the LoRA adapters, or the whole model),
-        the optimizer's and scheduler's states and the RNGs -> trainer_state.pt's entries ({} on a new run)."""
+        """--resume: weights (shards, LoRA adapters or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -1178,8 +1101,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2's fully_shard on each decoder layer, then on `module` (the root, which keeps the rest: the
-        embeddings, the head); on CUDA the parameters compute in bfloat16 and gradients reduce in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
+        in bfloat16, gradients reduced in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1195,9 +1118,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: every process holds the whole weights of the trained model (sharded first) inside: sampling and
-        evaluation run without a collective per decode step, so a process may run more steps than another; sharded
-        again on leaving. The reference stays sharded. Without --fsdp, nothing."""
+        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
+        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1212,8 +1134,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model) -> Optional[dict]:
-        """--fsdp: the model's whole state dict on rank 0's CPU (every process takes part); None elsewhere and without
-        FSDP."""
+        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -1222,8 +1143,7 @@ class Run:
         return whole if self.rank == 0 else None
 
     def load_sharded(self, path) -> None:
-        """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
-        (torch.distributed.checkpoint), each process reading its own shards."""
+        """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -1241,8 +1161,7 @@ class Run:
         return torch.cat(parts)
 
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
-        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, step, args, RNGs, every process's
-        `per_rank` tensors)."""
+        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
@@ -1265,8 +1184,7 @@ class Run:
             dist.barrier()
 
     def log(self, metrics: dict, table: Optional[tuple[str, list, list]] = None) -> None:
-        """A row of metrics.jsonl and W&B (with `table`: key, columns, rows of samples), from rank 0; on CUDA a training
-        row gets perf/peak_gb, the peak of torch.cuda.max_memory_allocated so far (rank 0's)."""
+        """A row of metrics.jsonl and W&B (`table`: key, columns, rows); on CUDA a training row gets perf/peak_gb."""
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -1313,12 +1231,17 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:  # (no login: wandb.init says how to log in, or WANDB_MODE=offline)
+        if args.track and self.rank == 0:
             import wandb
 
+            try:
+                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                           config=vars(args), dir=str(self.dir), resume="allow")
+            except Exception:  # e.g. no login: wandb's own error says how to log in
+                if not args.resume:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                raise
             self.wandb = wandb
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args),
-                       dir=str(self.dir), resume="allow")
         self.previous = signal.signal(signal.SIGINT, self.interrupt)
         return self
 
@@ -1337,8 +1260,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps, with evaluation at 0 and every --eval-every, a checkpoint every
-        --save-every, and after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
+        after a Ctrl-C a checkpoint and the end of the loop."""
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -1372,8 +1295,8 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it), and the
-        summary: each eval metric at the start and the end, where final/ is, and `notes` for the next step."""
+        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
+        summary (each eval metric at the start and the end, `notes`)."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()
@@ -1393,8 +1316,7 @@ class Run:
 
 
 def command_line(Args, main) -> None:
-    """`python <script>.py --flags`: main(the flags); bad input caught by the checks here as one line that names the
-    fix, not a traceback; a second Ctrl-C quits at once with code 130 (the last checkpoint written is intact)."""
+    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
     try:
         main(tyro.cli(Args))
     except KeyboardInterrupt:
@@ -1405,7 +1327,7 @@ def command_line(Args, main) -> None:
         while tb.tb_next:
             tb = tb.tb_next
         if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library, not by a check of this repository: the traceback says where
+            raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

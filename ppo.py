@@ -3,10 +3,10 @@
 The RLHF loop of Ziegler et al. (arXiv:1909.08593) and InstructGPT (arXiv:2203.02155), following "The N+
 Implementation Details of RLHF with PPO" (arXiv:2403.17031, "N+"):
     1. sample a completion o of each prompt q from pi_old, score it: s = R(q, o) (- the missing-EOS penalty)
-    2. per-token reward r_t = -beta KL_t + [t = last token] s, KL_t = log pi_old(o_t) - log pi_ref(o_t)
-                                                                          (Eq. 2 of arXiv:2203.02155, over tokens)
-    3. GAE: delta_t = r_t + gamma V_t+1 - V_t, A_t = sum_l (gamma lam)^l delta_t+l, R_t = A_t + V_t
-                                                                          (Eq. 16 of arXiv:1506.02438)
+    2. per-token reward r_t = -beta KL_t + [t = last token] s, KL_t = log pi_old(o_t) - log pi_ref(o_t)  (Eq. 2 of
+       arXiv:2203.02155, over tokens)
+    3. GAE: delta_t = r_t + gamma V_t+1 - V_t, A_t = sum_l (gamma lam)^l delta_t+l, R_t = A_t + V_t  (Eq. 16 of
+       arXiv:1506.02438)
     4. epochs of shuffled mini-batches minimising (Eq. 7 and 9 of arXiv:1707.06347)
          -min(rho A, clip(rho, 1-eps, 1+eps) A) + vf_coef 0.5 max((V-R)^2, (clip(V, V_old +- eps_v) - R)^2) - ent_coef H
     5. adapt beta to the batch's KL (Sec. 2.2 of arXiv:1909.08593).
@@ -20,20 +20,20 @@ Run:
     torchrun --nproc-per-node 2 ppo.py                            # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations and choices (why, and the measurements: docs/ppo.md):
-- The value model is a separate network (as N+): the policy's backbone with a scalar head that starts at zero
-  (V = 0), unless --value-model-name-or-path has a head; saved in value_model/ of each checkpoint and final/.
-- V_t is read at the hidden state that predicts token t, as log-probs are; V = 0 after the last real token.
+- The value model is a separate network (as N+), the policy's backbone with a zero scalar head (V = 0 at the start)
+  unless --value-model-name-or-path has a head; V_t is read at the hidden state that predicts token t; V = 0 after
+  the last real token.
 - Defaults fit the 0.9M-parameter embedded model: 128 prompts x 1 completion, 2 epochs of one mini-batch,
   temperature 0.7, lr 1e-4 (policy) and 1e-3 (value), warmup 30 and cosine decay, fixed beta 0.05 with k1.
-- One step = one batch of rollouts and --num-ppo-epochs x --num-mini-batches AdamW updates of both models (each
+- One step = one batch of rollouts, then --num-ppo-epochs x --num-mini-batches AdamW updates of both models (each
   clipped on its own); losses are token means over the mini-batch; the lr schedule advances once a step.
 - --target-kl stops a step's remaining epochs once an epoch's mean k3 KL(pi_old || pi) exceeds it (as CleanRL).
 - train/kl and the controller's KL: the batch mean of each completion's summed per-token KL (as N+).
 - --kl-controller step: x1.5 above 1.5 target, /1.5 below target / 1.5 (Sec. 4 of arXiv:1707.06347, 1.5 for 2).
-- Log-probs are of softmax(logits / T), the distribution sampled from (N+).
-- Advantages (and with --whiten-rewards, rewards) are whitened per process over real tokens, unbiased variance.
-- Dropout is off; over-long prompts keep their last tokens; with --lora-r both models get adapters (the value
-  head trains in full) and the reference is the policy with its adapters off.
+- Log-probs are of softmax(logits / T), the distribution sampled from (N+); advantages (and with --whiten-rewards,
+  rewards) are whitened per process over real tokens, unbiased variance.
+- Dropout is off; over-long prompts keep their last tokens; with --lora-r both models get adapters (the value head
+  trains in full) and the reference is the policy with its adapters off.
 """
 
 import contextlib
@@ -57,89 +57,33 @@ import torch.distributed as dist
 import tyro
 from datasets import load_dataset
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, GenerationConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
+                          GenerationConfig)
 from transformers.utils import logging as hf_logging
 
 from kernels import clipped_policy_loss, linear_token_logprobs
+from kernels.torch_ref import kl_estimate
 from rewards import DEFAULT_SPEC, make_reward
 
 
 @dataclass
 class Args:
-    # --- experiment / tracking
-    exp_name: str = "ppo"
-    """name of this experiment, part of the run directory name"""
-    seed: int = 1
-    """seed of python, numpy and torch, and of the data order"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
-    wandb_entity: Optional[str] = None
-    """Weights & Biases team or user"""
-    output_dir: str = "runs"
-    """where run directories are created"""
-
-    # --- model / data
-    model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
-    value_model_name_or_path: Optional[str] = None
-    """folder or hub id of the value model's backbone (and head, if it has one) (None: the policy's)"""
-    value_model_layers: int = 0
-    """keep the value model's first N decoder layers only (0: all): a smaller critic, a cheaper step"""
-    dataset: str = "data/arith"
-    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
-    dataset_split: str = "train"
-    """split with the training prompts"""
-    eval_split: Optional[str] = "test"
-    """split with prompts and reference answers for greedy-decoding accuracy (None: no eval)"""
-    prompt_column: str = "prompt"
-    """column holding the prompt (a string, or a list of chat messages with --use-chat-template)"""
-    answer_column: str = "answer"
-    """column holding the reference answer; rewards receive it as `answer`"""
-    use_chat_template: bool = False
-    """wrap each prompt in the tokenizer's chat template (instruct models)"""
-    max_prompt_length: int = 256
-    """prompts longer than this many tokens keep their last tokens"""
-    eval_limit: int = 500
-    """evaluate on at most this many eval examples"""
-    lora_r: int = 0
-    """rank of LoRA adapters on every linear layer of both models (0: train all weights); needs `pip install peft`"""
-    lora_alpha: float = 32.0
-    """LoRA scaling numerator (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA branch"""
-
     # --- algorithm
     num_generations: int = 1
     """completions sampled per prompt"""
     prompts_per_step: int = 128
-    """prompts per training step (over all processes); the batch is prompts_per_step x num_generations completions"""
+    """prompts per training step (over all processes); a batch holds prompts_per_step x num_generations completions"""
     max_completion_length: int = 40
     """most new tokens per completion (also the budget of the greedy evaluation)"""
     temperature: float = 0.7
     """sampling temperature; log-probs are those of the tempered distribution"""
-    top_p: float = 1.0
-    """nucleus sampling threshold (1: off)"""
-    top_k: int = 0
-    """sample among the k most likely tokens (0: off)"""
-    generation_backend: Literal["shared", "static"] = "shared"
-    """how completions are sampled: shared (generate, each group's prompt prefilled once; fastest on CPU), generate,
-    static (static KV cache, compiled on CUDA), paged (continuous batching); see docs/ppo.md"""
-    sampler_logprobs: bool = False
-    """pi_old's log-probs from the sampler, as TRL takes them, not from a policy forward (the first step of a run or a
-    resume recomputes them and checks that the two agree): ~10% faster a step on CPU; needs float32 weights"""
-    importance_sampling_cap: Optional[float] = None
-    """truncated importance sampling (TIS) of the sampler's mismatch: each token's loss times min(pi_old / pi_sampler,
-    cap), for backends whose numerics differ from the trainer's (bf16, compiled); None: off"""
     reward: str = DEFAULT_SPEC
     """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
     center_scores_per_prompt: bool = False
-    """subtract from each score the mean score of its prompt's --num-generations completions: a Bradley-Terry reward
-    model is trained on comparisons within a prompt and fixes its scores only up to a constant per prompt"""
+    """subtract from each score its prompt's mean score (a Bradley-Terry reward model's scores are fixed only up to a
+    constant per prompt); needs --num-generations 2 or more"""
     gold_reward: Optional[str] = None
-    """a reward spec logged beside --reward as rewards/gold, never trained on: with a learned --reward, the true
-    reward it stands in for (e.g. correctness), to watch over-optimisation (arXiv:2210.10760)"""
+    """a reward spec logged as rewards/gold, never trained on: the true reward a learned --reward stands in for"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a completion that reaches --max-completion-length without EOS"""
     beta: float = 0.05
@@ -176,6 +120,39 @@ class Args:
     """weight of the entropy bonus"""
     target_kl: Optional[float] = None
     """stop a step's remaining epochs once an epoch's mean approximate KL(pi_old || pi) exceeds this (None: never)"""
+    importance_sampling_cap: Optional[float] = None
+    """truncated importance sampling (TIS): each token's loss times min(pi_old / pi_sampler, cap), for samplers whose
+    numerics differ from the trainer's (bf16, compiled); None: off"""
+
+    # --- model / data
+    model_name_or_path: str = "models/tiny-arith"
+    """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
+    value_model_name_or_path: Optional[str] = None
+    """folder or hub id of the value model's backbone (and head, if it has one) (None: the policy's)"""
+    value_model_layers: int = 0
+    """keep the value model's first N decoder layers only (0: all): a smaller critic, a cheaper step"""
+    dataset: str = "data/arith"
+    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    dataset_split: str = "train"
+    """split with the training prompts"""
+    eval_split: Optional[str] = "test"
+    """split with prompts and reference answers for greedy-decoding accuracy (None: no eval)"""
+    prompt_column: str = "prompt"
+    """column holding the prompt (a string, or a list of chat messages with --use-chat-template)"""
+    answer_column: str = "answer"
+    """column holding the reference answer; rewards receive it as `answer`"""
+    use_chat_template: bool = False
+    """wrap each prompt in the tokenizer's chat template (instruct models)"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens keep their last tokens"""
+    eval_limit: int = 500
+    """evaluate on at most this many eval examples"""
+    lora_r: int = 0
+    """rank of LoRA adapters on every linear layer of both models (0: train all weights)"""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch"""
 
     # --- optimisation
     learning_rate: float = 1e-4
@@ -185,8 +162,7 @@ class Args:
     total_steps: int = 300
     """training steps (batches of rollouts); may change on --resume (the lr decay then ends at the new last step)"""
     pause_at_step: int = 0
-    """stop after this step with a checkpoint, as Ctrl-C does, the schedule still set by --total-steps (0: never); go
-    on with --resume, e.g. with a new --reward (iterated RLHF)"""
+    """stop after this step with a checkpoint, as Ctrl-C does (0: never); --resume goes on, e.g. with a new --reward"""
     micro_batch_size: int = 0
     """completions per forward/backward pass, gradients accumulated over a mini-batch (0: largest divisor up to 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -197,14 +173,6 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm, for each model on its own"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
-    device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
 
     # --- logging / checkpointing
     log_every: int = 1
@@ -217,6 +185,31 @@ class Args:
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
     num_sample_completions: int = 8
     """completions per logging step in the --track table"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+
+    # --- engineering / experiment
+    device: str = "auto"
+    """cuda, cpu, or auto (cuda when available)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
+    generation_backend: Literal["shared", "static"] = "shared"
+    """shared: generate, each group's prompt prefilled once (fastest on CPU); static: a static KV cache (compiled on
+    CUDA); see docs/ppo.md"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
+    exp_name: str = "ppo"
+    """name of this experiment, part of the run directory name"""
+    seed: int = 1
+    """seed of python, numpy and torch, and of the data order"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "cleanrl-llm"
+    """Weights & Biases project"""
+    wandb_entity: Optional[str] = None
+    """Weights & Biases team or user"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 
@@ -224,17 +217,14 @@ class Args:
 # ---- the algorithm
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """Mean of x over the entries where mask is 1. x, mask: [B, T] -> scalar, or [B] / [T] along `dim`."""
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
-    return (x * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1.0)
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over the entries where mask is 1. x, mask: [B, T] -> scalar."""
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Whiten x over its real entries: (x - mean) / sqrt(var + 1e-8), with the unbiased variance (as TRL; N+,
-    arXiv:2403.17031, uses the biased one); shift_mean=False adds the mean back (only the scale changes). Padding
-    (mask 0) does not move the mean or the std, and comes out as 0. x, mask: [B, T] -> [B, T]."""
+    """(x - mean) / sqrt(var + 1e-8) over the real entries, unbiased variance (as TRL; N+ uses the biased one);
+    shift_mean=False adds the mean back. x, mask: [B, T] -> [B, T], 0 on padding."""
     mean = masked_mean(x, mask)
     n = mask.sum()
     var = masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1.0)
@@ -244,48 +234,24 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     return whitened * mask
 
 
-def per_token_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
-
-    logp, ref_logp: [B, T] -> [B, T]: k1 = log pi - log pi_ref, k2 = (log pi - log pi_ref)^2 / 2,
-    k3 = pi_ref/pi - log(pi_ref/pi) - 1 (the same estimators as kernels.clipped_policy_loss).
-    """
-    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)  # as the kernels clamp it, so k3's exp stays finite
-    if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.expm1(log_ratio) - log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}: choose k1, k2 or k3")
-
-
 def penalise_missing_eos(scores: torch.Tensor, truncated: torch.Tensor, penalty: float) -> torch.Tensor:
     """scores [B], truncated [B] bool (no EOS within the length limit) -> scores minus `penalty` where truncated."""
     return scores - penalty * truncated.float()
 
 
 def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
-    """The reward of each completion token: -kl_coef KL_t at every real token, plus the score at the last real
-    token (Eq. 2 of arXiv:2203.02155 as a per-token reward, as in N+); nothing on padding.
-
-    scores: [B], kl: [B, T], mask: [B, T] (1 up to and including the last real token) -> rewards [B, T].
-    """
+    """-kl_coef KL_t at every real token, plus the score at the last one (Eq. 2 of arXiv:2203.02155 per token, as N+).
+    scores: [B], kl, mask: [B, T] (1 up to and including the last real token) -> rewards [B, T], 0 on padding."""
     rewards = -kl_coef * kl * mask
     last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-    has_tokens = mask.sum(dim=1) > 0
-    rewards[torch.arange(len(scores)), last] += scores * has_tokens
+    rewards[torch.arange(len(scores)), last] += scores * (mask.sum(dim=1) > 0)
     return rewards
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over completion tokens (Eq. 16 of arXiv:1506.02438):
-    delta_t = r_t + gamma V_t+1 - V_t,  A_t = delta_t + gamma lam A_t+1, with V = 0 and A = 0 after the last real
-    token (the episode ends there); returns R_t = A_t + V_t, the value model's regression targets.
-
-    rewards, values, mask: [B, T], right-padded -> (advantages [B, T], returns [B, T]), 0 on padding.
-    """
+    """Eq. 16 of arXiv:1506.02438: delta_t = r_t + gamma V_t+1 - V_t, A_t = delta_t + gamma lam A_t+1, V = A = 0 after
+    the last real token; R_t = A_t + V_t. rewards, values, mask: [B, T] -> (advantages, returns) [B, T]."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     next_value = next_advantage = torch.zeros_like(rewards[:, 0])
@@ -299,26 +265,20 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss (PPO2's, kept by N+): per token 0.5 max((V - R)^2, (V_old + clip(V - V_old, +-eps) - R)^2),
-    then the mean over real tokens (the max is taken per token, never of the two means).
-
-    values, old_values, returns, mask: [B, T] -> (loss scalar, fraction of real tokens where the clipped term won).
-    """
+    """PPO2's clipped value loss (kept by N+): 0.5 max((V - R)^2, (V_old + clip(V - V_old, +-eps) - R)^2) per token,
+    then the mean. values, old_values, returns, mask: [B, T] -> (loss, share of tokens where the clipped term won)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
-    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped - returns) ** 2
+    unclipped_loss = (values - returns) ** 2
+    clipped_loss = (clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(unclipped_loss, clipped_loss), mask)
     return loss, masked_mean((clipped_loss > unclipped_loss).float(), mask)
 
 
 class KLController:
-    """The KL coefficient beta of the per-token reward, updated once per step from the batch's KL.
-
-    fixed:    beta stays.
-    adaptive: e = clip(KL / target - 1, -0.2, 0.2), beta <- beta (1 + e n / horizon), n = completions in the batch
-              (Sec. 2.2 of arXiv:1909.08593: the proportional controller, K_beta = n / horizon).
-    step:     beta x 1.5 when KL > 1.5 target, beta / 1.5 when KL < target / 1.5 (Sec. 4 of arXiv:1707.06347,
-              with 1.5 for its factor 2).
-    """
+    """The KL coefficient beta, updated once per step from the batch's KL.
+    fixed: beta stays. adaptive (Sec. 2.2 of arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, +-0.2) n / horizon,
+    n = completions in the batch. step (Sec. 4 of arXiv:1707.06347, 1.5 for its 2): beta x 1.5 when KL > 1.5 target,
+    / 1.5 when KL < target / 1.5."""
 
     def __init__(self, kind: str, beta: float, target: float = 0.0, horizon: int = 10000):
         self.kind, self.value, self.target, self.horizon = kind, beta, target, horizon
@@ -327,11 +287,10 @@ class KLController:
         if self.kind == "adaptive":
             error = min(max(kl / self.target - 1.0, -0.2), 0.2)
             self.value *= 1.0 + error * n_steps / self.horizon
-        elif self.kind == "step":
-            if kl > 1.5 * self.target:
-                self.value *= 1.5
-            elif kl < self.target / 1.5:
-                self.value /= 1.5
+        elif self.kind == "step" and kl > 1.5 * self.target:
+            self.value *= 1.5
+        elif self.kind == "step" and kl < self.target / 1.5:
+            self.value /= 1.5
 
     def state_dict(self) -> dict:
         return {"value": self.value}
@@ -341,12 +300,12 @@ class KLController:
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over real tokens: 1 is a perfect critic, 0 one no better than a constant, < 0 worse.
-    values, returns, mask: [B, T] -> float (nan when the returns do not vary)."""
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    residual = returns - values
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-    return float(1.0 - var_residual / var_returns) if var_returns > 0 else float("nan")
+    """1 - Var(R - V) / Var(R) over real tokens (1: a perfect critic, 0: a constant's fit; nan if R is constant).
+    values, returns, mask: [B, T] -> float."""
+    def variance(x):
+        return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    var_returns = variance(returns)
+    return float(1.0 - variance(returns - values) / var_returns) if var_returns > 0 else float("nan")
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,30 +334,51 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                                  temperature=temperature, with_entropy=with_entropy, **lm_head(model, hidden.dtype))
 
 
-def completion_values(value_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      prompt_width: int) -> torch.Tensor:
-    """The value model's V_t for each completion token, read at the hidden state that predicts it (the state
-    before the token, as log-probs are). input_ids, attention_mask: [B, Tp + Tc] as in completion_logprobs
-    -> values [B, Tc] float32."""
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    scores = value_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).logits
-    return scores[:, prompt_width - 1 : -1, 0].float()
+class PolicyAndValueModel(torch.nn.Module):
+    """The policy and the separate value model as DDP and FSDP2 see them (one forward, one gradient synchronisation),
+    saved as the policy's folder with value_model/ in it (a complete model folder, tokenizer included)."""
 
-
-class ActorCritic(torch.nn.Module):
-    """Policy and value model as DistributedDataParallel sees them: one forward, one gradient synchronisation."""
-
-    def __init__(self, policy, value_model):
+    def __init__(self, policy, value_model, tokenizer):
         super().__init__()
-        self.policy, self.value_model = policy, value_model
+        self.policy, self.value_model, self.tokenizer = policy, value_model, tokenizer
 
-    def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float, with_policy: bool = True):
-        values = completion_values(self.value_model, input_ids, attention_mask, prompt_width)
-        if not with_policy:  # the critic alone (--sampler-logprobs)
-            return None, None, values
-        return (*completion_logprobs(self.policy, input_ids, attention_mask, prompt_width, temperature,
-                                     with_entropy=True), values)
+    def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float):
+        """As completion_logprobs -> (logp, entropy, values) [B, Tc]; V_t is read at the hidden state that predicts
+        token t, as its log-prob is."""
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        scores = self.value_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).logits
+        logp, entropy = completion_logprobs(self.policy, input_ids, attention_mask, prompt_width, temperature, True)
+        return logp, entropy, scores[:, prompt_width - 1 : -1, 0].float()
+
+    def save_pretrained(self, path: Path, state_dict: Optional[dict] = None, **kwargs) -> None:
+        """state_dict: the gathered weights of both (--fsdp), or None."""
+        for name, folder in (("policy", path), ("value_model", path / "value_model")):
+            part = {k[len(name) + 1:]: v for k, v in (state_dict or {}).items() if k.startswith(name + ".")}
+            getattr(self, name).save_pretrained(folder, state_dict=part or None, **kwargs)
+        self.tokenizer.save_pretrained(path / "value_model")
+
+
+def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
+    """The causal-LM backbone of `name` with a scalar head (a token classifier with one label). A checkpoint without
+    such a head gets a zero one: V = 0 at the start, so the first advantages are not a random critic's noise.
+    layers > 0 keeps the first `layers` decoder blocks, then the final norm and the head."""
+    has_head = any(a.endswith("ForTokenClassification") for a in AutoConfig.from_pretrained(name).architectures or [])
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # no report of the head that is "newly initialized": it is set below
+    model = AutoModelForTokenClassification.from_pretrained(name, num_labels=1, dtype=dtype)
+    hf_logging.set_verbosity(verbosity)
+    if not has_head:
+        head = model.score if hasattr(model, "score") else model.classifier
+        torch.nn.init.zeros_(head.weight)
+        if head.bias is not None:
+            torch.nn.init.zeros_(head.bias)
+    if layers:  # the decoder blocks are the longest ModuleList (model.layers; GPT-2's transformer.h)
+        del max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)[layers:]
+        model.config.num_hidden_layers = layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:layers]
+    return model
 
 
 def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
@@ -443,51 +423,6 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
-    """The value model: the causal-LM backbone of `name` with a scalar head (a token classifier with one label).
-    A checkpoint without such a head (a causal LM) gets a zero head: V = 0 everywhere at the start, so the first
-    advantages are the plain GAE of the rewards rather than of a random critic's noise. layers > 0 keeps the first
-    `layers` decoder blocks, then the final norm and the head."""
-    has_head = any(a.endswith("ForTokenClassification") for a in AutoConfig.from_pretrained(name).architectures or [])
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # no report of the head that is "newly initialized": it is set below
-    try:
-        model = AutoModelForTokenClassification.from_pretrained(name, num_labels=1, dtype=dtype)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    if not has_head:
-        head = model.score if hasattr(model, "score") else model.classifier
-        torch.nn.init.zeros_(head.weight)
-        if head.bias is not None:
-            torch.nn.init.zeros_(head.bias)
-    if layers:  # the decoder blocks are the longest ModuleList (model.layers; GPT-2's transformer.h)
-        del max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)[layers:]
-        model.config.num_hidden_layers = layers
-        if getattr(model.config, "layer_types", None):
-            model.config.layer_types = model.config.layer_types[:layers]
-    return model
-
-
-class PolicyAndValue:
-    """What a checkpoint and final/ hold: the policy, and in value_model/ the value model with its own tokenizer copy
-    (a complete model folder). save_pretrained as the plumbing's save_pretrained calls it."""
-
-    def __init__(self, policy, value_model, tokenizer):
-        self.policy, self.value_model, self.tokenizer = policy, value_model, tokenizer
-
-    def state_dict(self, keep_vars: bool = False) -> dict:
-        return {f"{name}.{k}": v for name in ("policy", "value_model")
-                for k, v in getattr(self, name).state_dict(keep_vars=keep_vars).items()}
-
-    def save_pretrained(self, path: Path, state_dict: Optional[dict] = None, **kwargs) -> None:
-        def part(name):  # --fsdp passes the gathered weights of both
-            return None if state_dict is None else {k[len(name) + 1:]: v for k, v in state_dict.items()
-                                                    if k.startswith(name + ".")}
-        self.policy.save_pretrained(path, state_dict=part("policy"), **kwargs)
-        self.value_model.save_pretrained(path / "value_model", state_dict=part("value_model"), **kwargs)
-        self.tokenizer.save_pretrained(path / "value_model")
-
-
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
     """The prompts as text: as they are, or (chat models) wrapped in the tokenizer's chat template."""
     if not use_chat_template:
@@ -498,6 +433,35 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
         raise ValueError(f"--use-chat-template: the tokenizer of {tokenizer.name_or_path} has no chat template")
     return [tokenizer.apply_chat_template([{"role": "user", "content": v}] if isinstance(v, str) else v,
                                           tokenize=False, add_generation_prompt=True) for v in values]
+
+
+def load_tokenizer(name: str):
+    """The tokenizer, its EOS as padding when it has no pad token."""
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
+    """The split's prompts tokenised once (over-long ones keep their last tokens) and the columns the reward reads
+    ({name: column}) -> {"ids", "prompts", "texts", "columns"}."""
+    prompts = list(split[args.prompt_column])
+    texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
+    ids = [p[-args.max_prompt_length:] for p in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    if [] in ids:
+        raise ValueError(f"split '{args.dataset_split}' has an empty prompt (row {ids.index([])}): remove it")
+    return {"ids": ids, "prompts": prompts, "texts": texts, "columns": {n: list(split[c]) for n, c in columns.items()}}
+
+
+def eval_prompts_and_answers(args, tokenizer) -> tuple[list, list]:
+    """The first --eval-limit prompts (as text) and answers of --eval-split ([], [] without one)."""
+    if not args.eval_split:
+        return [], []
+    ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
+    ev = ev.select(range(min(len(ev), args.eval_limit)))
+    prompts = prompt_texts(tokenizer, list(ev[args.prompt_column]), args.use_chat_template, args.prompt_column)
+    return prompts, list(ev[args.answer_column])
 
 
 class DataOrder:
@@ -525,10 +489,10 @@ class DataOrder:
 
 
 @torch.no_grad()
-def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: str, eos_ids, reward, autocast,
-            timing: dict) -> dict:
-    """Step 1 for the prompts `rows` (Sec. 2 of arXiv:1909.08593): sample (one batched generate with the KV cache)
-    and score. data: {"ids", "prompts", "texts", "columns"} of the split -> the rollout batch."""
+def ppo_rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: str, eos_ids, reward, autocast,
+                timing: dict) -> dict:
+    """Step 1 for the prompts `rows` (Sec. 2 of arXiv:1909.08593): sample (one batched generate) and score.
+    data: rl_prompts' -> the rollout batch."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
@@ -542,8 +506,8 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: 
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
     return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
-            "sampler_logp": sampler_logp,
-            "truncated": truncated, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
+            "sampler_logp": sampler_logp, "truncated": truncated,
+            "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
 
@@ -554,8 +518,8 @@ def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torc
     return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
 
 
-def reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
-    """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the policy with its adapters off.
+def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
+    """pi_ref's log-probs: a frozen copy of the initial policy, or with LoRA the policy with its adapters off.
     inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
     if ref_model is not None:  # Forward(completion_logprobs, the copy)
         return ref_model(*inputs, temperature)
@@ -563,48 +527,49 @@ def reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> t
         return completion_logprobs(model, *inputs, temperature)
 
 
-def micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, tuple, int]]:
-    """`rows` of the batch in length-sorted micro-batches of `size`, each trimmed to its own widest prompt and
-    completion -> [(rows, (input_ids, attention_mask, prompt_width) for the models, completion width)]."""
+def ppo_micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, tuple, int]]:
+    """`rows` in length-sorted micro-batches of `size`, each trimmed to its widest prompt and completion
+    -> [(rows, (input_ids, attention_mask, prompt_width), completion width)]."""
     width, out = batch["prompt_ids"].shape[1], []
-    for sub, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows], size):
+    masks = (batch["prompt_mask"][rows], batch["completion_mask"][rows])
+    for sub, first, end in length_sorted_micro_batches(*masks, size):
         r = rows[sub]
-        out.append((r, (batch["ids"][r, first : width + end], batch["attention"][r, first : width + end], width - first),
-                    end))
+        inputs = (batch["ids"][r, first : width + end], batch["attention"][r, first : width + end], width - first)
+        out.append((r, inputs, end))
     return out
 
 
 @torch.no_grad()
-def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast,
-                            from_sampler: bool = False) -> dict:
-    """Log-probs of pi_old and (beta > 0) of pi_ref, and the values V_old, at every completion token. pi_old's are
-    recomputed, or with from_sampler (--sampler-logprobs) the sampler's own (TRL and N+ take them from `generate`'s
-    scores): one policy forward fewer. actor_critic: (ids, attention, prompt width, T, with_policy) -> (logp, entropy,
-    values), its `.policy` the live policy. -> the batch and "ids", "attention", "old_logp", "ref_logp", "old_values"."""
+def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
+    """pi_old's and (beta > 0) pi_ref's log-probs and V_old at every completion token; with
+    --importance-sampling-cap the TIS weights. -> the batch and "ids", "attention", "old_logp", "ref_logp",
+    "old_values" (, "tis", "tis_capped")."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
     old_logp, ref_logp, old_values = (torch.zeros_like(mask) for _ in range(3))
     with autocast:
-        for r, inputs, end in micro_batches(batch, torch.arange(len(mask), device=mask.device), micro):
-            logp, _, old_values[r, :end] = actor_critic(*inputs, args.temperature, with_policy=not from_sampler)
-            old_logp[r, :end] = batch["sampler_logp"][r, :end] * mask[r, :end] if from_sampler else logp
+        for r, inputs, end in ppo_micro_batches(batch, torch.arange(len(mask), device=mask.device), micro):
+            old_logp[r, :end], _, old_values[r, :end] = actor_critic(*inputs, args.temperature)
             if args.beta > 0:
-                ref_logp[r, :end] = reference_logprobs(ref_model, actor_critic.policy, inputs, args.temperature)
+                ref_logp[r, :end] = ppo_reference_logprobs(ref_model, actor_critic.policy, inputs, args.temperature)
     out = {**batch, "old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values}
-    if args.importance_sampling_cap is not None:  # TIS, as grpo.py: each token's policy loss times w
+    if args.importance_sampling_cap is not None:
         out["tis"], out["tis_capped"] = truncated_is_weights(old_logp, batch["sampler_logp"], mask,
                                                              args.importance_sampling_cap)
     return out
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
-    """Steps 2-3: the scores less the missing-EOS penalty, the per-token KL(pi_old || pi_ref) and rewards
-    -kl_coef KL_t + [last token] score (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of arXiv:1506.02438) and whitening.
-    -> {"scores" [B], "kl", "advantages", "returns" [B, T]}."""
-    mask, old_logp = batch["completion_mask"], batch["old_logp"]
-    scores = penalise_missing_eos(batch["rewards"]["total"].to(mask.device), batch["truncated"], args.missing_eos_penalty)
-    kl = per_token_kl(old_logp, batch["ref_logp"], args.kl_estimator) * mask if args.beta > 0 else torch.zeros_like(mask)
+    """Steps 2-3: scores less the missing-EOS penalty, KL_t(pi_old || pi_ref), rewards -kl_coef KL_t + [last] score
+    (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of arXiv:1506.02438), whitening -> {"scores" [B], "kl", "advantages",
+    "returns" [B, T]}."""
+    mask = batch["completion_mask"]
+    scores = batch["rewards"]["total"].to(mask.device)
+    scores = penalise_missing_eos(scores, batch["truncated"], args.missing_eos_penalty)
+    kl = torch.zeros_like(mask)
+    if args.beta > 0:
+        kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask
     rewards = per_token_rewards(scores, kl, mask, kl_coef)
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
@@ -617,19 +582,17 @@ def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
 PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy")
 
 
-def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, policy_params: list, value_params: list,
-               autocast) -> dict:
-    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one optimiser update of both
-    models each (each clipped to --max-grad-norm on its own): the clipped policy loss (Eq. 7 of arXiv:1707.06347),
-    the clipped value loss and the entropy bonus (Eq. 9), token means over the mini-batch, accumulated over
-    micro-batches; --target-kl stops the remaining epochs. -> token sums of PPO_STATS, "tokens", the grad norms
-    of the last update, "ppo_epochs"."""
+def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast) -> dict:
+    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each (the policy's
+    and the value parameter groups each clipped to --max-grad-norm): the clipped policy loss (Eq. 7 of
+    arXiv:1707.06347) times the TIS weights, the clipped value loss and the entropy bonus (Eq. 9), token means over
+    the mini-batch; --target-kl stops the epochs. -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
     mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
     sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
     for epoch in range(args.num_ppo_epochs):
         epoch_kl = torch.zeros(2, device=mask.device)  # approximate-KL token sum, tokens
         for rows in torch.randperm(len(mask)).to(mask.device).split(len(mask) // args.num_mini_batches):
-            chunks, n_tokens = micro_batches(batch, rows, micro), mask[rows].sum()
+            chunks, n_tokens = ppo_micro_batches(batch, rows, micro), mask[rows].sum()
             for k, (r, inputs, end) in enumerate(chunks):
                 m, old_logp = mask[r, :end], batch["old_logp"][r, :end]
                 with (actor_critic.no_sync() if ddp and k < len(chunks) - 1 else torch.enable_grad()), autocast:
@@ -650,8 +613,7 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, policy_pa
                     sums[name] += x.item() * tokens
                 sums["tokens"] += tokens
                 epoch_kl += torch.stack([approx_kl * tokens, m.sum()])
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
-            value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
+            norms = [torch.nn.utils.clip_grad_norm_(g["params"], args.max_grad_norm) for g in optimizer.param_groups]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if args.target_kl is not None:  # every process sees the same KL, so all stop together
@@ -659,104 +621,100 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, policy_pa
                 dist.all_reduce(epoch_kl)
             if float(epoch_kl[0] / epoch_kl[1]) > args.target_kl:
                 break
-    return {**sums, "grad_norm": float(grad_norm), "value_grad_norm": float(value_grad_norm), "ppo_epochs": epoch + 1}
+    return {**sums, "grad_norm": float(norms[0]), "value_grad_norm": float(norms[1]), "ppo_epochs": epoch + 1}
 
 
 def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, args) -> dict:
     """The step's metrics over all processes: rewards per component, KL, losses, clipping, the critic's fit."""
     mask = batch["completion_mask"]
     lengths = mask.sum(dim=1)
+    n_capped = float(batch["tis_capped"].sum()) if "tis" in batch else 0.0
     local = torch.tensor([*(stats[k] for k in PPO_STATS), stats["tokens"], float(lengths.sum()),
                           float(batch["truncated"].sum()), len(lengths),
-                          explained_variance(batch["old_values"], batch["returns"], mask),
-                          float(batch["tis_capped"].sum()) if "tis" in batch else 0.0], device=mask.device)
+                          explained_variance(batch["old_values"], batch["returns"], mask), n_capped],
+                         device=mask.device)
     if run.ddp:
         dist.all_reduce(local)
-    *token_sums, n_tok, len_sum, n_trunc, n_seq, ev_sum, n_capped = local.tolist()
-    means = {f"train/{k}": v / max(n_tok, 1) for k, v in zip(PPO_STATS, token_sums)}
-    return {"train/loss": means["train/policy_loss"] + args.vf_coef * means["train/value_loss"]
-            - args.entropy_coef * means["train/entropy"],
-            "train/reward": float(run.gather(batch["rewards"]["total"].to(mask.device)).mean()),
-            **{f"rewards/{k}": float(run.gather(v.to(mask.device)).mean()) for k, v in batch["rewards"].items()
-               if k != "total"},
+    sums = dict(zip((*PPO_STATS, "tokens", "length", "truncated", "n", "explained_variance", "capped"), local.tolist()))
+    means = {f"train/{k}": sums[k] / max(sums["tokens"], 1) for k in PPO_STATS}
+    loss = means["train/policy_loss"] + args.vf_coef * means["train/value_loss"] - args.entropy_coef * means[
+        "train/entropy"]
+    rewards = {f"rewards/{k}": float(run.gather(v.to(mask.device)).mean()) for k, v in batch["rewards"].items()}
+    return {"train/loss": loss, "train/reward": rewards.pop("rewards/total"), **rewards,
             "train/score": float(run.gather(batch["scores"]).mean()), "train/kl": batch_kl, "train/kl_coef": kl_coef,
-            "train/non_score_reward": -kl_coef * batch_kl, **means, "train/explained_variance": ev_sum / run.world,
+            "train/non_score_reward": -kl_coef * batch_kl, **means,
+            "train/explained_variance": sums["explained_variance"] / run.world,
             "train/value_mean": float(masked_mean(batch["old_values"], mask)), "train/grad_norm": stats["grad_norm"],
             "train/value_grad_norm": stats["value_grad_norm"], "train/ppo_epochs": stats["ppo_epochs"],
-            "train/completion_length": len_sum / n_seq, "train/truncated_frac": n_trunc / n_seq,
-            "train/tis_capped_frac": n_capped / max(len_sum, 1)}
+            "train/completion_length": sums["length"] / sums["n"],
+            "train/truncated_frac": sums["truncated"] / sums["n"],
+            "train/tis_capped_frac": sums["capped"] / max(sums["length"], 1)}
 
 
-RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
-                     "track", "wandb_project_name", "wandb_entity", "device", "reward", "pause_at_step")
+def perf_metrics(timing: dict, tokens: int, steps: int) -> dict:
+    """Seconds per step of each phase since the last log row, and tokens per second (all processes)."""
+    per_step = {f"perf/{k}_s": v / steps for k, v in timing.items()}
+    return {"perf/tokens_per_s": tokens / max(timing["step"], 1e-9), **per_step}
 
 
-def check_args(args: Args) -> int:
-    """Every check that needs no model or data loading, before any work; -> the micro-batch each process uses."""
-    check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
-                        "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
-                        "learning_rate", "value_learning_rate"),
-                 ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "top_k", "num_sample_completions",
-                  "micro_batch_size", "beta", "clip_high", "cliprange_value", "vf_coef", "entropy_coef",
-                  "value_model_layers", "pause_at_step"),
-                 (args.model_name_or_path,))
-    if args.value_model_name_or_path:
-        try:
-            check_common(args, (), (), (args.value_model_name_or_path,))
-        except ValueError as e:
-            raise ValueError(f"--value-model-name-or-path: {e}") from None
-    if args.value_model_layers:
-        blocks = AutoConfig.from_pretrained(args.value_model_name_or_path or args.model_name_or_path).num_hidden_layers
-        if args.value_model_layers > blocks:
-            raise ValueError(f"--value-model-layers {args.value_model_layers}: the value model has {blocks} decoder "
-                             f"layers; use 1 to {blocks}, or 0 for all")
-    if args.pause_at_step >= args.total_steps:
-        raise ValueError(f"--pause-at-step {args.pause_at_step} is not before the last step (--total-steps "
-                         f"{args.total_steps}), so there is nothing to pause: use a smaller step, or 0")
-    if args.center_scores_per_prompt and args.num_generations < 2:
-        raise ValueError("--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more")
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if args.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} does not split evenly over {world} processes: "
-                         f"use a multiple of {world}, e.g. {world * max(1, args.prompts_per_step // world)}")
-    per_process = args.prompts_per_step // world * args.num_generations
-    what = (f"each process's completions (--prompts-per-step / {world} processes x --num-generations)" if world > 1
-            else "--prompts-per-step x --num-generations")
-    if per_process % args.num_mini_batches:
-        works = [d for d in range(1, min(args.num_mini_batches, per_process) + 1) if per_process % d == 0][-1]
-        raise ValueError(f"{what} = {per_process} is not divisible by --num-mini-batches {args.num_mini_batches}: "
-                         f"use --num-mini-batches {works}")
-    micro = fit_micro_batch(args.micro_batch_size, per_process // args.num_mini_batches,
-                            f"each mini-batch ({what} / --num-mini-batches)")
-    if not args.temperature > 0:
-        raise ValueError(f"need --temperature > 0, got {args.temperature}")
-    if args.top_p != 1 or args.top_k:  # refused rather than silently off-policy
-        raise ValueError(f"--top-p {args.top_p} --top-k {args.top_k}: the trainer's log-probs are of the full "
-                         f"softmax(logits / T), not of a truncated one, so the update would be off-policy; use "
-                         f"--top-p 1 --top-k 0")
-    if args.kl_controller != "fixed" and not args.kl_target > 0:
-        raise ValueError(f"--kl-controller {args.kl_controller} steers beta towards a KL target and needs a positive "
-                         f"--kl-target (the mean summed KL of a completion, e.g. --kl-target 1.0), got {args.kl_target}")
-    if args.kl_controller != "fixed" and args.beta == 0:
-        raise ValueError(f"--kl-controller {args.kl_controller} multiplies beta, which stays 0: start it positive, "
-                         f"e.g. --beta 0.05")
-    if not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        raise ValueError(f"need 0 <= --clip-low, --gamma, --lam <= 1, got {args.clip_low}, {args.gamma}, {args.lam}")
-    if args.importance_sampling_cap is not None and args.importance_sampling_cap < 1:
-        raise ValueError(f"--importance-sampling-cap {args.importance_sampling_cap} must be >= 1, e.g. 2: it caps "
-                         f"pi_old / pi_sampler, and below 1 it would shrink every on-policy token; or leave it off")
-    if args.sampler_logprobs and (args.dtype in ("bfloat16", "float16") or args.importance_sampling_cap):
-        raise ValueError("--sampler-logprobs takes pi_old's log-probs from the sampler, which equal the trainer's "
-                         "only with float32 weights: not with --dtype bfloat16/float16 or --importance-sampling-cap "
-                         "(which corrects their gap); drop it")
-    if args.target_kl is not None and args.target_kl <= 0:
-        raise ValueError(f"--target-kl must be positive (or None: no early stop), got {args.target_kl}")
+def sample_table(step: int, batch: dict, n: int) -> tuple[str, list, list]:
+    """The first n completions of the batch as the --track table."""
+    rows = zip(batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n], batch["scores"][:n])
+    return "train/samples", ["step", "prompt", "completion", "reward", "score"], [
+        [step, p, c, float(r), float(s)] for p, c, r, s in rows]
+
+
+def centre_per_prompt(scores: torch.Tensor, group: int) -> torch.Tensor:
+    """Each score less the mean score of its prompt's `group` completions (consecutive rows). [B] -> [B]."""
+    return scores - scores.view(-1, group).mean(1).repeat_interleave(group)
+
+
+def gold_rewards(gold, batch: dict, data: dict, rows: list[int]) -> torch.Tensor:
+    """--gold-reward's scores of the batch's completions [B]."""
+    columns = {k: [v[i] for i in rows] for k, v in data["columns"].items()}
+    return torch.tensor(gold(batch["completions"], prompts=[data["prompts"][i] for i in rows], **columns))
+
+
+def load_policy_and_value_model(args, device, tokenizer):
+    """The policy and the value model (dropout off; LoRA adapters on both, the value head trained in full), and a
+    frozen reference when beta > 0 (None with LoRA: the policy with its adapters off) -> (model, value model,
+    reference, EOS ids)."""
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device)
+    value_model = load_value_model(args.value_model_name_or_path or args.model_name_or_path, dtype,
+                                   args.value_model_layers).to(device)
+    for m in [*model.modules(), *value_model.modules()]:
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    eos_ids = own_generation_config(model, tokenizer)
+    if args.gradient_checkpointing:
+        for m in (model, value_model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:
-        try:
-            import peft  # noqa: F401
-        except ImportError:
-            raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    return micro
+        from peft import LoraConfig, get_peft_model
+
+        lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                    target_modules="all-linear")
+        model = get_peft_model(model, LoraConfig(**lora, task_type="CAUSAL_LM"))
+        value_model = get_peft_model(value_model, LoraConfig(**lora, task_type="TOKEN_CLS",  # TOKEN_CLS saves the head
+                                                             exclude_modules=["score", "classifier"]))
+        return model, value_model, None, eos_ids
+    ref_model = None
+    if args.beta > 0:
+        ref_model = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
+    return model, value_model, ref_model, eos_ids
+
+
+def restore_value_model(value_model, args, run) -> None:
+    """--resume: the value model from value_model/ (its LoRA adapters, or all its weights; --fsdp: in the shards)."""
+    path = Path(args.resume) / "value_model"
+    if args.lora_r:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(value_model, load_file(path / "adapter_model.safetensors", device=str(run.device)))
+    elif not run.fsdp:
+        value_model.load_state_dict(load_value_model(str(path), next(value_model.parameters()).dtype).state_dict())
 
 
 def main(args: Args) -> dict:
@@ -769,57 +727,18 @@ def main(args: Args) -> dict:
     run = Run(args, overrides, shown=("train/reward", "eval/accuracy", "train/kl"))
     device, rank, world, G = run.device, run.rank, run.world, args.num_generations
 
-    # 1. Data: the prompts, tokenised once; the columns the reward needs, checked up front.
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    # 1. Data: the prompts, tokenised once, with the columns the rewards need; the eval prompts and answers.
+    tokenizer = load_tokenizer(args.model_name_or_path)
     needed = reward.required_columns | (gold.required_columns if gold else set())
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(needed)}
     train = load_split(args, "dataset_split", [args.prompt_column, *columns.values()],
                        "--prompt-column/--answer-column, or a --reward/--gold-reward that does not need them")
-    raw_prompts = list(train[args.prompt_column])
-    texts = prompt_texts(tokenizer, raw_prompts, args.use_chat_template, args.prompt_column)
-    prompt_ids = [ids[-args.max_prompt_length:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    empty = [i for i, p in enumerate(prompt_ids) if not p]
-    if empty:
-        raise ValueError(f"{len(empty)} prompts of split '{args.dataset_split}' are empty (row {empty[0]}): remove them")
-    data = {"ids": prompt_ids, "prompts": raw_prompts, "texts": texts,
-            "columns": {name: list(train[col]) for name, col in columns.items()}}
-    eval_prompts, eval_answers = [], []
-    if args.eval_split:
-        ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column],
-                        "--prompt-column/--answer-column")
-        n = min(len(ev), args.eval_limit)
-        eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
-        eval_answers = list(ev[args.answer_column][:n])
+    data = rl_prompts(args, tokenizer, train, columns)
+    eval_prompts, eval_answers = eval_prompts_and_answers(args, tokenizer)
 
-    # 2. Models: the policy and the value model (optionally with LoRA adapters), and a frozen reference when beta > 0.
-    weights_dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=weights_dtype).to(device)
-    value_model = load_value_model(args.value_model_name_or_path or args.model_name_or_path, weights_dtype,
-                                   args.value_model_layers).to(device)
-    for m in [*model.modules(), *value_model.modules()]:
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    eos_ids = own_generation_config(model, tokenizer)
-    eos_tensor = torch.tensor(eos_ids, device=device)
-    if args.gradient_checkpointing:
-        for m in (model, value_model):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = None
-    if args.lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        # the value head is trained in full (TOKEN_CLS saves it with the adapters), never given adapters itself
-        model, value_model = (get_peft_model(m, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
-                                                           lora_dropout=args.lora_dropout, target_modules="all-linear",
-                                                           exclude_modules=exclude, task_type=task))
-                              for m, task, exclude in ((model, "CAUSAL_LM", None),
-                                                       (value_model, "TOKEN_CLS", ["score", "classifier"])))
-    elif args.beta > 0:
-        ref_model = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
-    raw_model, raw_value = model, value_model
-    raw_actor_critic = actor_critic = ActorCritic(model, value_model)
+    # 2. Models: the policy and the value model, one module for DDP / FSDP2; the frozen reference.
+    model, value_model, ref_model, eos_ids = load_policy_and_value_model(args, device, tokenizer)
+    raw_actor_critic = actor_critic = PolicyAndValueModel(model, value_model, tokenizer)
     if run.fsdp:  # each decoder layer of both models sharded over the processes, the reference too (FSDP2)
         actor_critic = run.shard(actor_critic, decoder_layers(model) + decoder_layers(value_model))
         ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
@@ -827,88 +746,76 @@ def main(args: Args) -> dict:
         actor_critic = torch.nn.parallel.DistributedDataParallel(
             actor_critic, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
-    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0,  # the full softmax(logits/T)
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
 
-    # 3. Optimiser (both models, a parameter group each), schedule, KL controller and data order (one per process);
-    #    on --resume the weights, then all their states.
-    policy_params = [p for p in raw_model.parameters() if p.requires_grad]
-    value_params = [p for p in raw_value.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": policy_params, "lr": args.learning_rate},
-                                   {"params": value_params, "lr": args.value_learning_rate}],
-                                  betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    # 3. Optimiser (a parameter group per model), schedule, KL controller, data order; on --resume all their states.
+    param_groups = [{"params": [p for p in m.parameters() if p.requires_grad], "lr": lr}
+                    for m, lr in ((model, args.learning_rate), (value_model, args.value_learning_rate))]
+    optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     run.trained = (actor_critic, optimizer)  # what --fsdp checkpoints in shards
     lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     kl_ctl = KLController(args.kl_controller, args.beta, args.kl_target, args.kl_horizon)
-    order = DataOrder(len(prompt_ids), args.seed * 1000 + rank)
-    state = run.restore(raw_model, optimizer, scheduler)
-    if state and args.lora_r:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        adapters = Path(args.resume) / "value_model" / "adapter_model.safetensors"
-        set_peft_model_state_dict(raw_value, load_file(adapters, device=str(device)))
-    elif state and not run.fsdp:
-        raw_value.load_state_dict(load_value_model(str(Path(args.resume) / "value_model"), weights_dtype).state_dict())
+    order = DataOrder(len(data["ids"]), args.seed * 1000 + rank)
+    state = run.restore(model, optimizer, scheduler)
     if state:
+        restore_value_model(value_model, args, run)
         if "reward" not in overrides:  # a new --reward (a reward model retrained on this policy) starts afresh
             reward.load_state_dict(state["reward"])
         kl_ctl.load_state_dict(state["kl_controller"])
         order.load(state)
         lr_anchor = state["lr_anchor"]
         if "total_steps" in overrides:  # the decay continues from where it is to the new last step
-            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
-                                              args.lr_schedule, lr_anchor))
+            old_total = overrides["total_steps"][0]
+            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, lr_anchor))
 
     def measure() -> tuple[dict, list]:
         if not eval_prompts:
             return {}, []
-        acc, samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
+        acc, samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
                                        eos_ids, progress=run.progress)
         return {"eval/accuracy": acc}, samples
 
     def save() -> Path:
-        return run.checkpoint(PolicyAndValue(raw_model, raw_value, tokenizer), tokenizer, {
+        return run.checkpoint(raw_actor_critic, tokenizer, {
             "optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "reward": reward.state_dict(),
-            "kl_controller": kl_ctl.state_dict(), "lr_anchor": lr_anchor}, per_rank=order.state())
+            "reward": reward.state_dict(), "kl_controller": kl_ctl.state_dict(), "lr_anchor": lr_anchor},
+            per_rank=order.state())
 
     # 4. Train.
-    n_policy, n_value = (sum(p.numel() for p in params) for params in (policy_params, value_params))
-    run.say(f"run directory: {run.dir}  |  {len(prompt_ids)} training prompts, {len(eval_prompts)} eval prompts, "
-            f"{n_policy / 1e6:.2f}M + {n_value / 1e6:.2f}M trainable parameters (policy + value model) on {device}, "
-            f"micro-batch {micro}")
-    groups, final, tokens, last_log = args.prompts_per_step // world, {}, 0, run.start
+    sizes = " + ".join(f"{sum(p.numel() for p in g['params']) / 1e6:.2f}M" for g in param_groups)
+    run.say(f"run directory: {run.dir}  |  {len(data['ids'])} training prompts, {len(eval_prompts)} eval prompts, "
+            f"{sizes} trainable parameters (policy + value model) on {device}")
+    final, tokens, last_log = {}, 0, run.start
     timing = dict.fromkeys(("step", "generate", "score", "train"), 0.0)  # seconds since the last log row
+    eos_tensor = torch.tensor(eos_ids, device=device)
     with run:
         for step in run.steps(measure, save):
-            t_step, run.stop = time.perf_counter(), run.stop or step == args.pause_at_step  # (checked after the step)
+            t_step = time.perf_counter()
+            run.stop = run.stop or step == args.pause_at_step  # (checked after the step)
             # 4a. Roll out: a completion (or G) for each prompt from pi_old, scored (Sec. 2 of arXiv:1909.08593).
             with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
-                rows = [i for i in order.draw(groups) for _ in range(G)]
-                batch = rollout(raw_model, tokenizer, data, rows, gen_config, args.generation_backend, eos_tensor,
-                                reward, autocast, timing)
+                rows = [i for i in order.draw(args.prompts_per_step // world) for _ in range(G)]
+                batch = ppo_rollout(model, tokenizer, data, rows, gen_config, args.generation_backend, eos_tensor,
+                                    reward, autocast, timing)
             if args.center_scores_per_prompt:  # the reward less its prompt's mean (rewards/<name> stay raw)
-                total = batch["rewards"]["total"]
-                batch["rewards"]["total"] = total - total.view(-1, G).mean(1).repeat_interleave(G)
+                batch["rewards"]["total"] = centre_per_prompt(batch["rewards"]["total"], G)
             if gold is not None:  # logged as rewards/gold beside the reward, never in the loss
-                of_rows = {k: [v[i] for i in rows] for k, v in data["columns"].items()}
-                batch["rewards"]["gold"] = torch.tensor(gold(batch["completions"], prompts=[data["prompts"][i]
-                                                                                           for i in rows], **of_rows))
+                batch["rewards"]["gold"] = gold_rewards(gold, batch, data, rows)
             t_train = time.perf_counter()
-            # 4b. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients.
-            batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast,
-                                            args.sampler_logprobs and getattr(run, "sampler_checked", False))
-            gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * batch["completion_mask"]).sum(),
-                              batch["completion_mask"].sum())  # stops a sampler/trainer mismatch at once
+            # 4b. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients;
+            #     the sampler's log-probs against pi_old's (a mismatch on the first batch stops the run).
+            batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast)
+            mask = batch["completion_mask"]
+            gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum(), mask.sum())
             # 4c. Per-token rewards (-beta KL_t, the score at the last token), GAE, whitened advantages.
             kl_coef = kl_ctl.value
             batch.update(compute_advantages(batch, kl_coef, args))
             # 4d. PPO epochs over shuffled mini-batches: the clipped policy and value losses, the entropy bonus.
-            stats = ppo_update(actor_critic, optimizer, batch, micro, args, policy_params, value_params, autocast)
+            stats = ppo_update(actor_critic, optimizer, batch, micro, args, autocast)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
             scheduler.step()
             # 4e. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
@@ -916,25 +823,69 @@ def main(args: Args) -> dict:
             kl_ctl.update(batch_kl, args.prompts_per_step * G)
             timing["train"] += time.perf_counter() - t_train
             timing["step"] += time.perf_counter() - t_step
-            tokens += int(batch["attention"].sum())
+            tokens += int(batch["attention"].sum()) * world
 
             # 4f. Log rewards per component, KL, losses, clipping, the critic's fit and timings.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **ppo_metrics(run, batch, stats, kl_coef, batch_kl, args), "train/lr": lr,
-                         "train/sampler_gap": gap,
-                         "perf/tokens_per_s": tokens * world / max(timing["step"], 1e-9),
-                         **{f"perf/{k}_s": v / (step - last_log) for k, v in timing.items()}}
-                n = args.num_sample_completions
-                run.log(final, ("train/samples", ["step", "prompt", "completion", "reward", "score"],
-                                [[step, p, c, float(r), float(s)] for p, c, r, s in zip(
-                                    batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n],
-                                    batch["scores"][:n])]))
+                         "train/sampler_gap": gap, **perf_metrics(timing, tokens, step - last_log)}
+                run.log(final, sample_table(step, batch, args.num_sample_completions))
                 tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
 
     # 5. Final evaluation, a checkpoint, and the trained models (LoRA merged into them) in final/.
-    models = (raw_model, raw_value)
-    return run.finish(final, measure, save, lambda: PolicyAndValue(
-        *(copy.deepcopy(m).merge_and_unload() if args.lora_r else m for m in models), tokenizer), tokenizer)
+    def merged() -> PolicyAndValueModel:
+        return PolicyAndValueModel(*(copy.deepcopy(m).merge_and_unload() for m in (model, value_model)), tokenizer)
+
+    return run.finish(final, measure, save, merged if args.lora_r else raw_actor_critic, tokenizer)
+
+
+RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
+                     "track", "wandb_project_name", "wandb_entity", "device", "reward", "pause_at_step")
+
+
+def check_args(args: Args) -> int:
+    """Every check that needs no model or data loading, before any work; -> the micro-batch each process uses."""
+    check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
+                        "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
+                        "learning_rate", "value_learning_rate"),
+                 ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "num_sample_completions",
+                  "micro_batch_size", "beta", "clip_high", "cliprange_value", "vf_coef", "entropy_coef",
+                  "value_model_layers", "pause_at_step"), (args.model_name_or_path,))
+    if args.value_model_name_or_path:
+        try:
+            check_common(args, (), (), (args.value_model_name_or_path,))
+        except ValueError as e:
+            raise ValueError(f"--value-model-name-or-path: {e}") from None
+    blocks = AutoConfig.from_pretrained(args.value_model_name_or_path or args.model_name_or_path).num_hidden_layers
+    for bad, message in (
+            (args.value_model_layers > blocks, f"--value-model-layers: use 0 (all) to {blocks}, its decoder layers"),
+            (args.pause_at_step >= args.total_steps, "--pause-at-step must be before --total-steps (or 0: never)"),
+            (args.center_scores_per_prompt and args.num_generations < 2,
+             "--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more")):
+        if bad:
+            raise ValueError(message)
+    return check_ppo_args(args)
+
+
+def check_ppo_args(args) -> int:
+    """The PPO flags' checks -> the micro-batch each process uses."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    per_process = args.prompts_per_step // world * args.num_generations
+    for bad, message in (
+            (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
+            (per_process % args.num_mini_batches, f"--num-mini-batches must divide each process's {per_process} "
+                                                  f"completions (--prompts-per-step / processes x --num-generations)"),
+            (not args.temperature > 0, "--temperature must be positive"),
+            (args.kl_controller != "fixed" and not (args.kl_target > 0 and args.beta > 0),
+             f"--kl-controller {args.kl_controller} needs a positive --kl-target (e.g. 1.0) and --beta"),
+            (not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1),
+             "need 0 <= --clip-low, --gamma, --lam <= 1"),
+            (args.importance_sampling_cap is not None and args.importance_sampling_cap < 1,
+             "--importance-sampling-cap must be >= 1 (or None: off)"),
+            (args.target_kl is not None and args.target_kl <= 0, "--target-kl must be positive (or None: never)")):
+        if bad:
+            raise ValueError(message)
+    return fit_micro_batch(args.micro_batch_size, per_process // args.num_mini_batches, "each mini-batch")
 
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
@@ -968,8 +919,8 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids,
 
 
 def lm_head(model, dtype: torch.dtype) -> dict:
-    """The output head as kernels.linear_token_logprobs takes it: weight, bias, and the config's logit scale (Cohere;
-    Granite divides) and final soft-capping (Gemma 2, 3), so that log-probs are of the model's own logits."""
+    """The head as kernels.linear_token_logprobs takes it: weight, bias, logit scale (Cohere; Granite divides) and
+    soft-capping (Gemma 2, 3)."""
     head, config = model.get_output_embeddings(), model.config
     bias = getattr(head, "bias", None)
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
@@ -978,8 +929,7 @@ def lm_head(model, dtype: torch.dtype) -> dict:
 
 
 class SampledLogprobs:
-    """Last of generate's logits processors (temperature comes after it): the log-prob each token was sampled with,
-    scores[token] / T - logsumexp(scores / T), read one step later when the token is in input_ids."""
+    """A logits processor: each sampled token's log-prob, scores[token] / T - logsumexp(scores / T)."""
 
     def __init__(self, temperature: float):
         self.temperature, self.scores, self.lse, self.logp = temperature, None, None, []
@@ -995,9 +945,9 @@ class SampledLogprobs:
 
 
 def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
-    """One sampling call on left-padded prompts -> the completions [B, Tc] (padded after EOS) and the log-probs the
-    sampler drew them with [B, Tc]. shared: transformers' generate, each run of identical rows (a group) prefilled once
-    and its KV cache repeated; static: a static KV cache (on CUDA transformers compiles the decode step)."""
+    """Left-padded prompts -> completions [B, Tc] (padded after EOS) and the log-probs they were sampled with. shared:
+    generate, each run of equal rows prefilled once and its KV cache repeated; static: a static KV cache (compiled on
+    CUDA)."""
     from transformers import DynamicCache
 
     training = model.training
@@ -1026,8 +976,7 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
 
 
 class Forward(torch.nn.Module):
-    """fn(module, *args) as a module's forward, so that DDP and FSDP2, which act around forward, see it (DDP syncs
-    gradients; FSDP2 gathers the weights outside the decoder layers: embeddings and lm_head)."""
+    """fn(module, *args) as a module's forward, for DDP and FSDP2, which act around forward."""
 
     def __init__(self, fn: Callable, module):
         super().__init__()
@@ -1038,9 +987,8 @@ class Forward(torch.nn.Module):
 
 
 def sampler_gap(run, gap_sum, tokens) -> float:
-    """The mean |sampler - trainer| log-prob of the completion tokens over all processes. On the first sampled batch,
-    a gap beyond float rounding stops the run (the update would be silently off-policy): 1e-3 with float32 weights and
-    no autocast; 0.25 with bfloat16 (a margin: bf16 weights on CPU give ~1e-3)."""
+    """The mean |sampler - trainer| log-prob of the completion tokens, over all processes. On the first batch, a gap
+    beyond float rounding (1e-3 in float32, 0.25 in bfloat16) stops the run: the update would be off-policy."""
     exact = run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda")
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
     gap = float(total[0] / total[1].clamp(min=1))
@@ -1048,8 +996,7 @@ def sampler_gap(run, gap_sum, tokens) -> float:
     if not getattr(run, "sampler_checked", False) and gap > tolerance:
         raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
                          f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature) of the "
-                         f"model's forward (a logits processor, a custom generate, a model whose cached decoding "
-                         f"differs from its forward); the policy gradient would be off-policy")
+                         f"model's forward (a logits processor, a custom generate, cached decoding that differs)")
     run.sampler_checked = True
     return gap
 
@@ -1058,9 +1005,8 @@ CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_conf
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Sampling and greedy evaluation follow this script's flags alone: of the checkpoint's generation_config only the
-    special tokens are kept (transformers fills every field a script leaves unset from it, e.g. a repetition_penalty,
-    and the sampler would no longer be softmax(logits / T)); the fields dropped are named once. -> the EOS ids."""
+    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
+    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -1076,9 +1022,8 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
-    single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none).
-    Bad data is one line naming the file and the line; a folder's missing splits are named together."""
+    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
+    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -1122,7 +1067,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
 
 
 def json_lines_problem(file: Path, option: str) -> Optional[str]:
-    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why', or None."""
+    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why'."""
     rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
     if not rows:
         return " is empty: it needs at least one JSON line"
@@ -1161,7 +1106,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 
 def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
-    """The checks every script makes before any work: counts, device, model folders, --fsdp."""
+    """Counts, device, model folders and --fsdp, before any work."""
     for name in positive + non_negative:
         low = name in positive and getattr(args, name) <= 0
         if low or getattr(args, name) < 0:
@@ -1181,7 +1126,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
 
 
 def check_fsdp(args) -> None:
-    """--fsdp: launched by torchrun, no LoRA, and decoder layers to shard (found on a weightless copy of the model)."""
+    """--fsdp: under torchrun, no LoRA, and decoder layers to shard (looked for on a weightless copy)."""
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
@@ -1191,8 +1136,8 @@ def check_fsdp(args) -> None:
         raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
                          "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights and "
-                         f"optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
+                         f"and optimizer states, per process): pass a complete checkpoint of the run")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -1220,28 +1165,28 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own arguments, with the flags given here that differ from their defaults applied on top
-    (`may_change`: cadence, tracking, device) or refused. -> (args, {flag: [run's value, new value]})."""
+    """--resume: the run's own args; flags given here apply if in `may_change`, else are refused. -> (args, changes)"""
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass " + (
-            f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "runs/<run>/checkpoints/step_N"))
+        where = "runs/<run>/checkpoints/step_N"
+        if found:
+            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
-    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
-                 if k in cls.__dataclass_fields__})  # JSON has no tuples
-    for name in cls.__dataclass_fields__:
+    fields = cls.__dataclass_fields__
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
+    for name in fields:
         given = getattr(args, name)
         if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
-                             f"({args.resume}/args.json): it would change the algorithm or the data, so it cannot "
-                             f"change on resume; drop the flag, or start a new run. Flags that may change: "
-                             f"{', '.join('--' + n.replace('_', '-') for n in may_change)}")
+                             f"({args.resume}/args.json) and cannot change on resume; drop the flag, or start a new "
+                             f"run. Flags that may change: {', '.join('--' + n.replace('_', '-') for n in may_change)}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -1254,8 +1199,8 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. weights: the state
-    dict to write (--fsdp gathers it), else the model's own; sharded: a folder moved in as sharded/ (--fsdp)."""
+    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
+    gathered, `sharded` is moved in as sharded/.)"""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -1274,9 +1219,9 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as each process sees it: processes, device and seeds; with `with run:` the run directory (rank 0;
-    removed if the run fails before its first step ends), W&B and Ctrl-C (the first finishes the step and saves,
-    a second quits); metrics, evaluation and checkpoint cadence, the progress line, and the closing summary."""
+    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
+    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
+    evaluation and checkpoint cadence, the progress line and the closing summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -1302,8 +1247,7 @@ class Run:
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
-        """--resume: the trained weights (this process's shards under --fsdp, the LoRA adapters, or the whole model),
-        the optimizer's and scheduler's states and the RNGs -> trainer_state.pt's entries ({} on a new run)."""
+        """--resume: weights (shards, LoRA adapters or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -1329,8 +1273,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2's fully_shard on each decoder layer, then on `module` (the root, which keeps the rest: the
-        embeddings, the head); on CUDA the parameters compute in bfloat16 and gradients reduce in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
+        in bfloat16, gradients reduced in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1346,9 +1290,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: every process holds the whole weights of the trained model (sharded first) inside: sampling and
-        evaluation run without a collective per decode step, so a process may run more steps than another; sharded
-        again on leaving. The reference stays sharded. Without --fsdp, nothing."""
+        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
+        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1363,8 +1306,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model) -> Optional[dict]:
-        """--fsdp: the model's whole state dict on rank 0's CPU (every process takes part); None elsewhere and without
-        FSDP."""
+        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -1373,8 +1315,7 @@ class Run:
         return whole if self.rank == 0 else None
 
     def load_sharded(self, path) -> None:
-        """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
-        (torch.distributed.checkpoint), each process reading its own shards."""
+        """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -1392,8 +1333,7 @@ class Run:
         return torch.cat(parts)
 
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
-        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, step, args, RNGs, every process's
-        `per_rank` tensors)."""
+        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
@@ -1416,8 +1356,7 @@ class Run:
             dist.barrier()
 
     def log(self, metrics: dict, table: Optional[tuple[str, list, list]] = None) -> None:
-        """A row of metrics.jsonl and W&B (with `table`: key, columns, rows of samples), from rank 0; on CUDA a training
-        row gets perf/peak_gb, the peak of torch.cuda.max_memory_allocated so far (rank 0's)."""
+        """A row of metrics.jsonl and W&B (`table`: key, columns, rows); on CUDA a training row gets perf/peak_gb."""
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -1464,12 +1403,17 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:  # (no login: wandb.init says how to log in, or WANDB_MODE=offline)
+        if args.track and self.rank == 0:
             import wandb
 
+            try:
+                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                           config=vars(args), dir=str(self.dir), resume="allow")
+            except Exception:  # e.g. no login: wandb's own error says how to log in
+                if not args.resume:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                raise
             self.wandb = wandb
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args),
-                       dir=str(self.dir), resume="allow")
         self.previous = signal.signal(signal.SIGINT, self.interrupt)
         return self
 
@@ -1488,8 +1432,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps, with evaluation at 0 and every --eval-every, a checkpoint every
-        --save-every, and after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
+        after a Ctrl-C a checkpoint and the end of the loop."""
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -1523,8 +1467,8 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it), and the
-        summary: each eval metric at the start and the end, where final/ is, and `notes` for the next step."""
+        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
+        summary (each eval metric at the start and the end, `notes`)."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()
@@ -1544,8 +1488,7 @@ class Run:
 
 
 def command_line(Args, main) -> None:
-    """`python <script>.py --flags`: main(the flags); bad input caught by the checks here as one line that names the
-    fix, not a traceback; a second Ctrl-C quits at once with code 130 (the last checkpoint written is intact)."""
+    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
     try:
         main(tyro.cli(Args))
     except KeyboardInterrupt:
@@ -1556,7 +1499,7 @@ def command_line(Args, main) -> None:
         while tb.tb_next:
             tb = tb.tb_next
         if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library, not by a check of this repository: the traceback says where
+            raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

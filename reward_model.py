@@ -121,7 +121,7 @@ class Args:
     center_rewards_coef: float = 0.0
     """coefficient of (r_c + r_r)^2 added to the loss, keeping scores near 0 (0: off; TRL suggests 0.01)"""
     tie_strength: float = 0.0
-    """nu > 0: Davidson's ties (`preference_loss`): pairs whose column `tie` is true pull their two scores together,
+    """nu > 0: Davidson's ties (`bradley_terry_loss`): pairs whose column `tie` is true pull their two scores together,
     and --comparisons also writes its tied samples' pairs (tie: true) into comparisons.jsonl (0: Bradley-Terry)"""
     tie_start_step: int = 0
     """the ties train only after this step (before it: Bradley-Terry on the preferences alone)"""
@@ -170,7 +170,7 @@ class Args:
 # ---- the algorithm
 
 
-def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: Optional[torch.Tensor] = None,
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: Optional[torch.Tensor] = None,
                     center_coef: float = 0.0, tie: Optional[torch.Tensor] = None, nu: float = 0.0) -> torch.Tensor:
     """Per-pair loss, chosen, rejected, margin, tie (bool): [B] -> [B] float32: -log sigmoid(r_c - r_r - m) (Eq. 1
     of arXiv:2203.02155; m: Eq. 2 of arXiv:2307.09288) + center_coef (r_c + r_r)^2 (centring, arXiv:2312.09244).
@@ -286,46 +286,49 @@ def right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
             pad([torch.ones(len(x), dtype=torch.long) for x in rows], batch_first=True))
 
 
-def collate_pairs(pairs, pad_id: int):
-    """Pairs -> (ids [2B, T] right-padded: the B chosen then the B rejected, attention mask [2B, T], margins [B])."""
-    ids, mask = right_pad([p[0] for p in pairs] + [p[1] for p in pairs], pad_id)
-    return ids, mask, torch.tensor([p[2] for p in pairs], dtype=torch.float32)
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading tokens two token lists have in common."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def shared_prefix(c: list[int], r: list[int]) -> int:
-    """The length of the token prefix two texts share."""
-    return next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), min(len(c), len(r)))
-
-
-def pack_pairs(pairs, pad_id: int):
-    """Prefix sharing (arXiv:2410.20305): a pair -> one row chosen + rejected[n:], n the length of the token prefix
-    they share. The rejected tail sees the prefix and itself, not the chosen tail, and its positions continue from
-    the prefix: every token sees what it sees in its own sequence, so the scores are `collate_pairs`' ones.
-    -> (ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T],
-        ends [B, 2]: the columns of the chosen and the rejected text's last token, margins [B])."""
-    rows, split, shared = [], [], []
-    for c, r, *_ in pairs:
-        n = shared_prefix(c, r)
-        rows.append(c + r[n:])
-        split.append(len(c))
-        shared.append(n)
-    ids, real = right_pad(rows, pad_id)
-    width = ids.shape[1]
-    col = torch.arange(width)
-    split, shared, length = torch.tensor(split)[:, None], torch.tensor(shared)[:, None], real.sum(1, keepdim=True)
-    tail = col >= split  # [B, T]: the rejected tail (and the padding after it)
+def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
+    """Prefix sharing (arXiv:2410.20305): token lists (a, b) -> one row a + b[n:], n = shared_prefix(a, b). The tail
+    b[n:] attends to the shared prefix and to itself, not to a's tail, and its positions continue from the prefix,
+    so every token sees what it sees in its own sequence.
+    -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T], and [B, 1] each: where
+    b's tail starts (len(a)), n, the row's length."""
+    shared = [shared_prefix(a, b) for a, b in pairs]
+    rows = [a + b[n:] for (a, b), n in zip(pairs, shared)]
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], True, pad_id)
+    col = torch.arange(ids.shape[1])
+    split = torch.tensor([len(a) for a, _ in pairs])[:, None]
+    shared = torch.tensor(shared)[:, None]
+    length = torch.tensor([len(row) for row in rows])[:, None]
+    tail = col >= split  # [B, T]: b's tail (and the padding after it)
     position_ids = torch.where(tail, col - split + shared, col).masked_fill(col >= length, 0)  # padding: in range
     query, key = col[None, :, None], col[None, None, :]
-    hidden_chosen = tail[:, :, None] & (key >= shared[:, :, None]) & (key < split[:, :, None])
-    allowed = (key <= query) & ~hidden_chosen
+    allowed = (key <= query) & ~(tail[:, :, None] & (key >= shared[:, :, None]) & (key < split[:, :, None]))
+    return ids, allowed, position_ids, split, shared, length
+
+
+def pack_texts(pairs: list[tuple], pad_id: int) -> tuple:
+    """`pack_pairs` of the chosen and rejected texts -> (ids, allowed, position ids, ends [B, 2]: the columns of the
+    chosen and the rejected text's last token)."""
+    ids, allowed, position_ids, split, shared, length = pack_pairs([(c, r) for c, r, *_ in pairs], pad_id)
     # the rejected text ends at the row's last real token, or inside the prefix when it has no tail of its own
     ends = torch.cat([split - 1, torch.where(length > split, length - 1, shared - 1)], dim=1)
-    return ids, allowed, position_ids, ends, torch.tensor([p[2] for p in pairs], dtype=torch.float32)
+    return ids, allowed, position_ids, ends
+
+
+def pair_batch(pairs: list[tuple], pad_id: int, packed: bool, device) -> list[torch.Tensor]:
+    """PairScorer's input on the device: `pack_texts` rows, or the B chosen then the B rejected texts right-padded."""
+    batch = pack_texts(pairs, pad_id) if packed else right_pad([p[0] for p in pairs] + [p[1] for p in pairs], pad_id)
+    return [t.to(device) for t in batch]
 
 
 class PairScorer(torch.nn.Module):
-    """r(x, y_c), r(x, y_r) of a batch of pairs -> [B, 2] float32, from `pack_pairs` rows (the backbone with their
-    mask, the score head read at the two ends) or `collate_pairs` rows (the classifier); or, flat, the classifier's
+    """r(x, y_c), r(x, y_r) of a batch of pairs -> [B, 2] float32, from `pack_texts` rows (the backbone with their
+    mask, the score head read at the two ends) or plain rows (the classifier); or, flat, the classifier's
     score of each row -> [N] (rankings): one module for DDP."""
 
     def __init__(self, model, packed: bool):
@@ -348,27 +351,21 @@ class PairScorer(torch.nn.Module):
 
 
 @torch.no_grad()
-def check_packing(model, pairs, pad_id: int, device) -> Optional[str]:
-    """Packed scores of a few pairs against the classifier's own -> why this model cannot be packed, or None (it
-    needs a `score` head on a backbone that takes a custom 4D mask, which flash-attention 2 does not)."""
-    classifier = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not isinstance(getattr(classifier, "score", None), torch.nn.Module) or classifier.base_model is classifier:
-        return f"{type(classifier).__name__} has no `score` head on a separate backbone"
-    pairs, was_training = pairs[:8], model.training
+def check_packing(model, forward: Callable[[bool], torch.Tensor]) -> Optional[str]:
+    """forward(packed) of a few pairs, packed against plain, in eval mode -> why packing cannot be used with this
+    model (e.g. an attention implementation that ignores custom 4D masks), or None."""
+    was_training = model.training
     model.eval()
     try:
-        plain = PairScorer(model, packed=False)(*(t.to(device) for t in collate_pairs(pairs, pad_id)[:2]))
-        ids, allowed, position_ids, ends, _ = pack_pairs(pairs, pad_id)
-        packed = PairScorer(model, packed=True)(ids.to(device), allowed.to(device), position_ids.to(device),
-                                                ends.to(device))
-    except Exception as e:  # noqa: BLE001 (an attention implementation that refuses a 4D mask)
+        plain, packed = forward(False), forward(True)
+    except Exception as e:  # noqa: BLE001
         return f"its packed forward fails ({type(e).__name__}: {e})"
     finally:
         model.train(was_training)
-    tol = 1e-4 if next(classifier.parameters()).dtype == torch.float32 else 5e-2
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
     diff = float((packed - plain).abs().max())
     if not diff <= tol * (1 + float(plain.abs().max())):
-        return f"its packed scores differ from its plain scores by {diff:.3g} (attention ignores the custom mask?)"
+        return f"its packed results differ from its plain ones by {diff:.3g} (attention ignores the custom mask?)"
     return None
 
 
@@ -410,11 +407,11 @@ def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = F
                              progress=progress)
     chosen, rejected = scores.split(len(pairs))
     return {"eval/pref_accuracy": float((chosen > rejected).float().mean()), "eval/margin":
-            float((chosen - rejected).mean()), "eval/loss": float(preference_loss(chosen, rejected).mean())}
+            float((chosen - rejected).mean()), "eval/loss": float(bradley_terry_loss(chosen, rejected).mean())}
 
 
 class PairOrder:
-    """Pair indices in seeded random epochs of whole batches (an epoch's incomplete last batch is skipped)."""
+    """Indices in seeded random epochs of whole batches (an epoch's incomplete last batch is skipped)."""
 
     def __init__(self, n: int, seed: int):
         self.n, self.gen = n, torch.Generator().manual_seed(seed)
@@ -434,16 +431,27 @@ class PairOrder:
         self.order, self.cursor = state["order"], int(state["cursor"])
 
 
-def load_pairs(args, tokenizer, flag: str, with_margin: bool, limit: Optional[int] = None):
-    """A split's first `limit` pairs, tokenised -> ([(chosen_ids, rejected_ids, margin, tie)], pairs dropped as too
-    long); of the training split with --ranking-column, its rankings (`tokenize_rankings`). Rows of a column `tie`
-    that is true are left out unless --tie-strength trains them."""
+def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
+    """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
+    work: a bad row is one line naming the file and line (a hub split: its row)."""
+    split, path = getattr(args, flag), Path(args.dataset).expanduser()
+    ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column or the flag naming it")
+    where = f"{path / split}.jsonl, line" if path.is_dir() else f"{args.dataset}, split '{split}', row"
+    for i, row in enumerate(ds, 1):
+        if problem := pair_problem(row, columns, margin):
+            raise ValueError(f"{where} {i}: {problem}")
+    return ds
+
+
+def load_preferences(args, tokenizer, flag: str, with_margin: bool, limit: Optional[int] = None):
+    """A split's first `limit` pairs, checked (`load_pairs`) and tokenised -> ([(chosen_ids, rejected_ids, margin,
+    tie)], pairs dropped as too long); of the training split with --ranking-column, its rankings
+    (`tokenize_rankings`). Rows of a column `tie` that is true are left out unless --tie-strength trains them."""
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     columns += [args.margin_column] if with_margin and args.margin_column else []
     columns += [args.ranking_column, "k"] if with_margin and args.ranking_column else []
     tie = ["tie"] * bool(with_margin and args.tie_strength)
-    ds = load_split(args, flag, columns + tie, "--prompt-column/--chosen-column/--rejected-column/--margin-column/"
-                                               "--ranking-column (and `k`), --tie-strength (and `tie`)")
+    ds = load_pairs(args, flag, columns + tie, args.margin_column if with_margin else None)
     if "tie" in ds.column_names and not tie:  # Bradley-Terry (and held-out accuracy): a tie states no preference
         ds = ds.filter(lambda row: not row["tie"])
     values, what = [list(ds[c])[:limit] for c in columns], f"split '{getattr(args, flag)}'"
@@ -457,22 +465,21 @@ def load_pairs(args, tokenizer, flag: str, with_margin: bool, limit: Optional[in
 
 
 @torch.no_grad()
-def policy_comparisons(args, tokenizer, flag: str, limit: int, device, progress: bool, ties: bool) -> list[dict]:
+def policy_comparisons(args, tokenizer, ds, device, progress: bool, ties: bool) -> list[dict]:
     """InstructGPT's comparison data (Sec. 3.5) with a rule for the labelers: --comparisons K completions of each of
-    the first `limit` prompts of the split, sampled from --policy, scored by --labeler, every pair of different
+    the prompts of `ds`, sampled from --policy, scored by --labeler, every pair of different
     scores with the better one as chosen (`ranking_pairs`) -> pairs rows with the columns of the split the labeler
     needs, the prompt's index `ranking` and `k` = K; with `ties`, also the tied pairs (`tied_pairs`), column `tie`."""
     labeler = make_reward(args.labeler)
-    ds = load_split(args, flag, [args.prompt_column, *sorted(labeler.required_columns)],
-                    "--prompt-column, or a --labeler that does not need them")
-    prompts = list(ds[args.prompt_column])[:limit]
-    columns = {c: list(ds[c])[:limit] for c in sorted(labeler.required_columns)}
+    prompts = list(ds[args.prompt_column])
+    columns = {c: list(ds[c]) for c in sorted(labeler.required_columns)}
     policy = AutoModelForCausalLM.from_pretrained(args.policy or args.model_name_or_path).to(device)
     gen = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                           max_new_tokens=args.max_completion_length, eos_token_id=own_generation_config(policy, tokenizer),
+                           max_new_tokens=args.max_completion_length,
+                           eos_token_id=own_generation_config(policy, tokenizer),
                            pad_token_id=tokenizer.pad_token_id)
     rows, K = [], args.comparisons
-    for i in tqdm(range(0, len(prompts), 64), desc=f"comparisons ({flag})", leave=False, disable=not progress):
+    for i in tqdm(range(0, len(prompts), 64), desc="comparisons", leave=False, disable=not progress):
         enc = tokenizer(prompts[i : i + 64], return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(device)
         completion_ids, _ = sample(policy, enc.input_ids.repeat_interleave(K, 0),
@@ -525,10 +532,10 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
                 scores = scorer(ids, mask, flat=True)
                 chosen, rejected = scores[better], scores[worse]
             else:
-                *tensors, margins = (pack_pairs if packed else collate_pairs)(chunk, pad_id)
-                scores = scorer(*(t.to(device) for t in tensors))
+                margins = torch.tensor([p[2] for p in chunk], device=device)
+                scores = scorer(*pair_batch(chunk, pad_id, packed, device))
                 chosen, rejected, ties = scores[:, 0], scores[:, 1], torch.tensor([p[3] for p in chunk], device=device)
-            loss = preference_loss(chosen, rejected, margins.to(device) if args.margin_column else None,
+            loss = bradley_terry_loss(chosen, rejected, margins if args.margin_column else None,
                                    args.center_rewards_coef, ties, nu).masked_fill(ties & (nu == 0), 0.0)
             loss = (loss if weights is None else loss * weights).sum() / args.batch_size
             (loss * world).backward()
@@ -545,34 +552,43 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
     return sums, grad_norm
 
 
-def pair_problem(columns: list[str], margin_column: Optional[str]) -> Callable[[dict], Optional[str]]:
-    """A row check of preference data: -> what is wrong with a row and the fix, or None."""
-    def problem(row: dict) -> Optional[str]:
-        missing = [c for c in columns if c not in row]
-        if missing:
-            return (f"has no column {missing}; its columns: {sorted(row)} (choose with --prompt-column/"
-                    f"--chosen-column/--rejected-column/--margin-column)")
-        if row[columns[1]] == row[columns[2]]:
-            return f"'{columns[1]}' and '{columns[2]}' are the same text, which states no preference: remove the row"
-        if "tie" in columns and not isinstance(row["tie"], bool):
-            return f"'tie' is {row['tie']!r}: it must be true (a tie) or false (chosen is better)"
-        if margin_column is not None and (isinstance(row[margin_column], bool)
-                                          or not isinstance(row[margin_column], (int, float))):
-            return f"margin '{margin_column}' is {row[margin_column]!r}, not a number"
-        return None
-
-    return problem
+def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) -> Optional[str]:
+    """What is wrong with a row as a preference pair, or None: `columns` (prompt, chosen, rejected, ...) filled in,
+    two different completions as text, a boolean `tie` (when read) and a number in column `margin` (when given)."""
+    chosen, rejected = row.get(columns[1]), row.get(columns[2])
+    missing = [c for c in columns if row.get(c) is None]
+    if missing:
+        return f"no column {missing}: fill it in or remove the row"
+    if not isinstance(chosen, str) or not isinstance(rejected, str):
+        return f"'{columns[1]}' and '{columns[2]}' must be text, got {chosen!r} and {rejected!r}"
+    if chosen == rejected:
+        return f"'{columns[1]}' and '{columns[2]}' are the same text, which states no preference: remove the row"
+    if "tie" in columns and not isinstance(row["tie"], bool):
+        return f"'tie' is {row['tie']!r}: it must be true (a tie) or false (chosen is better)"
+    if margin and (isinstance(row[margin], bool) or not isinstance(row[margin], (int, float))):
+        return f"margin '{margin}' is {row[margin]!r}, not a number"
+    return None
 
 
 def comparison_data(args, run, tokenizer):
     """--comparisons: the policy's own samples, ranked (Sec. 3.5), written once by rank 0 into the run directory
     (comparisons.jsonl, and comparisons_test.jsonl from the eval split's prompts; a resumed run reads them back)
-    -> (the arguments that read them as rankings, the held-out comparisons as pairs)."""
+    -> (the arguments that read them as rankings, the held-out comparisons as pairs). Both splits are checked first:
+    the prompts and what --labeler reads, and the held-out split's pairs."""
+    needed = [args.prompt_column, *sorted(make_reward(args.labeler).required_columns)]
+    splits = {"dataset_split": load_split(args, "dataset_split", needed, "--prompt-column, or another --labeler")}
+    for i, row in enumerate(splits["dataset_split"], 1):
+        if missing := [c for c in needed if row[c] is None]:
+            raise ValueError(f"split '{args.dataset_split}', row {i}: no {missing}, which --comparisons needs")
+    if args.eval_split:
+        columns = [args.prompt_column, args.chosen_column, args.rejected_column, *needed[1:]]
+        splits["eval_split"] = load_pairs(args, "eval_split", columns)
     for flag, name, limit in (("dataset_split", "comparisons", args.comparison_prompts),
                               ("eval_split", "comparisons_test", args.eval_limit)):
         path = run.dir / f"{name}.jsonl"
-        if run.rank == 0 and getattr(args, flag) and not path.exists():
-            rows = policy_comparisons(args, tokenizer, flag, limit, run.device, run.progress,
+        if run.rank == 0 and flag in splits and not path.exists():
+            ds = splits[flag].select(range(min(limit, len(splits[flag]))))
+            rows = policy_comparisons(args, tokenizer, ds, run.device, run.progress,
                                       ties=flag == "dataset_split" and args.tie_strength > 0)
             run.dir.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -581,10 +597,10 @@ def comparison_data(args, run, tokenizer):
                     f"ties from {len({r['ranking'] for r in rows})} prompts x {args.comparisons} samples of "
                     f"{args.policy or args.model_name_or_path}")
     run.barrier()
-    data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None, prompt_column="prompt",
-                        chosen_column="chosen", rejected_column="rejected",
+    data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None,
+                        prompt_column="prompt", chosen_column="chosen", rejected_column="rejected",
                         ranking_column="ranking" if args.comparison_rankings else None)
-    held_out = load_pairs(replace(data_args, eval_split="comparisons_test"), tokenizer, "eval_split", False)[0] \
+    held_out = load_preferences(replace(data_args, eval_split="comparisons_test"), tokenizer, "eval_split", False)[0] \
         if args.eval_split else []
     return data_args, held_out
 
@@ -611,25 +627,17 @@ def check_args(args: Args) -> int:
             import peft  # noqa: F401
         except ImportError:
             raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    columns = [args.prompt_column, args.chosen_column, args.rejected_column]
-    extra = [c for c in (args.margin_column, args.ranking_column) if c] + ["k"] * bool(args.ranking_column)
-    extra += ["tie"] * bool(args.tie_strength)
     if args.tie_strength and args.margin_column:
         raise ValueError("--tie-strength with --margin-column: a tie has no margin; drop one of them")
     if args.tie_start_step and not (args.tie_strength and args.tie_start_step < args.total_steps):
         raise ValueError(f"--tie-start-step {args.tie_start_step}: the ties would never train; it needs --tie-strength "
                          f"> 0 and a step before --total-steps {args.total_steps}")
-    train_check = pair_problem(columns + extra, args.margin_column)
     if args.comparisons:
         if args.comparisons < 2 or args.margin_column or args.ranking_column:
             raise ValueError(f"--comparisons {args.comparisons}: " + (
                 "it ranks K >= 2 samples of each prompt (0: read pairs)" if args.comparisons < 2 else
                 "its pairs have no margin and are ranked by prompt: drop --margin-column and --ranking-column"))
-        needed = [args.prompt_column, *sorted(make_reward(args.labeler).required_columns)]  # a bad spec fails here
-        train_check = lambda row: (f"has no column {[c for c in needed if c not in row]} that --comparisons needs (the "
-                                   f"prompt, and what --labeler reads); its columns: {sorted(row)}"
-                                   if any(c not in row for c in needed) else None)
-        eval_check = lambda row: pair_problem(columns, None)(row) or train_check(row)  # its prompts are sampled too
+        make_reward(args.labeler)  # a bad spec fails here
     elif not args.comparison_rankings:
         raise ValueError("--no-comparison-rankings: there are no --comparisons to train as pairs (a pairs file is "
                          "trained as pairs unless --ranking-column is set)")
@@ -653,9 +661,10 @@ def main(args: Args) -> dict:
     pad_id = tokenizer.pad_token_id
     data_args, held_out = comparison_data(args, run, tokenizer) if args.comparisons else (args, [])
     rankings = bool(data_args.ranking_column)
-    pairs, dropped = load_pairs(data_args, tokenizer, "dataset_split", with_margin=True)
-    eval_pairs, eval_dropped = load_pairs(args, tokenizer, "eval_split", False, args.eval_limit) if args.eval_split \
-        else ([], 0)
+    pairs, dropped = load_preferences(data_args, tokenizer, "dataset_split", with_margin=True)
+    eval_pairs, eval_dropped = [], 0
+    if args.eval_split:
+        eval_pairs, eval_dropped = load_preferences(args, tokenizer, "eval_split", False, args.eval_limit)
     if dropped + eval_dropped:
         run.say(f"dropped {dropped + eval_dropped} pairs longer than --max-length {args.max_length} tokens")
 
@@ -677,9 +686,11 @@ def main(args: Args) -> dict:
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                                 target_modules="all-linear", task_type="SEQ_CLS"))
-    why_not_packed = check_packing(model, pairs, pad_id, device) if args.pack_pairs and not rankings else None
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                                                 lora_dropout=args.lora_dropout, task_type="SEQ_CLS"))
+    why_not_packed = None
+    if args.pack_pairs and not rankings:
+        why_not_packed = check_packing(model, lambda p: PairScorer(model, p)(*pair_batch(pairs[:8], pad_id, p, device)))
     if why_not_packed:
         run.say(f"--pack-pairs: scoring chosen and rejected texts in rows of their own, as {why_not_packed}")
     packed = args.pack_pairs and not rankings and not why_not_packed  # a ranking's texts are scored one a row
@@ -687,7 +698,8 @@ def main(args: Args) -> dict:
     if run.fsdp:  # each decoder layer sharded over the processes (FSDP2)
         scorer = run.shard(scorer, decoder_layers(model))
     elif run.ddp:
-        scorer = torch.nn.parallel.DistributedDataParallel(scorer, device_ids=[device] if device.type == "cuda" else None)
+        scorer = torch.nn.parallel.DistributedDataParallel(scorer, device_ids=[device] if device.type == "cuda"
+                                                           else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
 
     # 3. Optimiser, schedule and data order (the same on every process); on --resume the weights, then their states.
@@ -792,8 +804,7 @@ def main(args: Args) -> dict:
 
 
 class SampledLogprobs:
-    """Last of generate's logits processors (temperature comes after it): the log-prob each token was sampled with,
-    scores[token] / T - logsumexp(scores / T), read one step later when the token is in input_ids."""
+    """A logits processor: each sampled token's log-prob, scores[token] / T - logsumexp(scores / T)."""
 
     def __init__(self, temperature: float):
         self.temperature, self.scores, self.lse, self.logp = temperature, None, None, []
@@ -809,9 +820,9 @@ class SampledLogprobs:
 
 
 def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
-    """One sampling call on left-padded prompts -> the completions [B, Tc] (padded after EOS) and the log-probs the
-    sampler drew them with [B, Tc]. shared: transformers' generate, each run of identical rows (a group) prefilled once
-    and its KV cache repeated; static: a static KV cache (on CUDA transformers compiles the decode step)."""
+    """Left-padded prompts -> completions [B, Tc] (padded after EOS) and the log-probs they were sampled with. shared:
+    generate, each run of equal rows prefilled once and its KV cache repeated; static: a static KV cache (compiled on
+    CUDA)."""
     from transformers import DynamicCache
 
     training = model.training
@@ -843,9 +854,8 @@ CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_conf
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Sampling and greedy evaluation follow this script's flags alone: of the checkpoint's generation_config only the
-    special tokens are kept (transformers fills every field a script leaves unset from it, e.g. a repetition_penalty,
-    and the sampler would no longer be softmax(logits / T)); the fields dropped are named once. -> the EOS ids."""
+    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
+    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -861,9 +871,8 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
-    single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none).
-    Bad data is one line naming the file and the line; a folder's missing splits are named together."""
+    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
+    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -907,7 +916,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
 
 
 def json_lines_problem(file: Path, option: str) -> Optional[str]:
-    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why', or None."""
+    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why'."""
     rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
     if not rows:
         return " is empty: it needs at least one JSON line"
@@ -946,7 +955,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 
 def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
-    """The checks every script makes before any work: counts, device, model folders, --fsdp."""
+    """Counts, device, model folders and --fsdp, before any work."""
     for name in positive + non_negative:
         low = name in positive and getattr(args, name) <= 0
         if low or getattr(args, name) < 0:
@@ -966,7 +975,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
 
 
 def check_fsdp(args) -> None:
-    """--fsdp: launched by torchrun, no LoRA, and decoder layers to shard (found on a weightless copy of the model)."""
+    """--fsdp: under torchrun, no LoRA, and decoder layers to shard (looked for on a weightless copy)."""
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
@@ -976,8 +985,8 @@ def check_fsdp(args) -> None:
         raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
                          "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights and "
-                         f"optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
+                         f"and optimizer states, per process): pass a complete checkpoint of the run")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -1005,28 +1014,28 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own arguments, with the flags given here that differ from their defaults applied on top
-    (`may_change`: cadence, tracking, device) or refused. -> (args, {flag: [run's value, new value]})."""
+    """--resume: the run's own args; flags given here apply if in `may_change`, else are refused. -> (args, changes)"""
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass " + (
-            f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "runs/<run>/checkpoints/step_N"))
+        where = "runs/<run>/checkpoints/step_N"
+        if found:
+            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
-    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
-                 if k in cls.__dataclass_fields__})  # JSON has no tuples
-    for name in cls.__dataclass_fields__:
+    fields = cls.__dataclass_fields__
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
+    for name in fields:
         given = getattr(args, name)
         if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
-                             f"({args.resume}/args.json): it would change the algorithm or the data, so it cannot "
-                             f"change on resume; drop the flag, or start a new run. Flags that may change: "
-                             f"{', '.join('--' + n.replace('_', '-') for n in may_change)}")
+                             f"({args.resume}/args.json) and cannot change on resume; drop the flag, or start a new "
+                             f"run. Flags that may change: {', '.join('--' + n.replace('_', '-') for n in may_change)}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -1039,8 +1048,8 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. weights: the state
-    dict to write (--fsdp gathers it), else the model's own; sharded: a folder moved in as sharded/ (--fsdp)."""
+    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
+    gathered, `sharded` is moved in as sharded/.)"""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -1059,9 +1068,9 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as each process sees it: processes, device and seeds; with `with run:` the run directory (rank 0;
-    removed if the run fails before its first step ends), W&B and Ctrl-C (the first finishes the step and saves,
-    a second quits); metrics, evaluation and checkpoint cadence, the progress line, and the closing summary."""
+    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
+    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
+    evaluation and checkpoint cadence, the progress line and the closing summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -1087,8 +1096,7 @@ class Run:
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
-        """--resume: the trained weights (this process's shards under --fsdp, the LoRA adapters, or the whole model),
-        the optimizer's and scheduler's states and the RNGs -> trainer_state.pt's entries ({} on a new run)."""
+        """--resume: weights (shards, LoRA adapters or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -1114,8 +1122,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2's fully_shard on each decoder layer, then on `module` (the root, which keeps the rest: the
-        embeddings, the head); on CUDA the parameters compute in bfloat16 and gradients reduce in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
+        in bfloat16, gradients reduced in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1131,9 +1139,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: every process holds the whole weights of the trained model (sharded first) inside: sampling and
-        evaluation run without a collective per decode step, so a process may run more steps than another; sharded
-        again on leaving. The reference stays sharded. Without --fsdp, nothing."""
+        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
+        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1148,8 +1155,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model) -> Optional[dict]:
-        """--fsdp: the model's whole state dict on rank 0's CPU (every process takes part); None elsewhere and without
-        FSDP."""
+        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -1158,8 +1164,7 @@ class Run:
         return whole if self.rank == 0 else None
 
     def load_sharded(self, path) -> None:
-        """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
-        (torch.distributed.checkpoint), each process reading its own shards."""
+        """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -1177,8 +1182,7 @@ class Run:
         return torch.cat(parts)
 
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
-        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, step, args, RNGs, every process's
-        `per_rank` tensors)."""
+        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
@@ -1201,8 +1205,7 @@ class Run:
             dist.barrier()
 
     def log(self, metrics: dict, table: Optional[tuple[str, list, list]] = None) -> None:
-        """A row of metrics.jsonl and W&B (with `table`: key, columns, rows of samples), from rank 0; on CUDA a training
-        row gets perf/peak_gb, the peak of torch.cuda.max_memory_allocated so far (rank 0's)."""
+        """A row of metrics.jsonl and W&B (`table`: key, columns, rows); on CUDA a training row gets perf/peak_gb."""
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -1249,12 +1252,17 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:  # (no login: wandb.init says how to log in, or WANDB_MODE=offline)
+        if args.track and self.rank == 0:
             import wandb
 
+            try:
+                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                           config=vars(args), dir=str(self.dir), resume="allow")
+            except Exception:  # e.g. no login: wandb's own error says how to log in
+                if not args.resume:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                raise
             self.wandb = wandb
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args),
-                       dir=str(self.dir), resume="allow")
         self.previous = signal.signal(signal.SIGINT, self.interrupt)
         return self
 
@@ -1273,8 +1281,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps, with evaluation at 0 and every --eval-every, a checkpoint every
-        --save-every, and after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
+        after a Ctrl-C a checkpoint and the end of the loop."""
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -1308,8 +1316,8 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it), and the
-        summary: each eval metric at the start and the end, where final/ is, and `notes` for the next step."""
+        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
+        summary (each eval metric at the start and the end, `notes`)."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()
@@ -1329,8 +1337,7 @@ class Run:
 
 
 def command_line(Args, main) -> None:
-    """`python <script>.py --flags`: main(the flags); bad input caught by the checks here as one line that names the
-    fix, not a traceback; a second Ctrl-C quits at once with code 130 (the last checkpoint written is intact)."""
+    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
     try:
         main(tyro.cli(Args))
     except KeyboardInterrupt:
@@ -1341,7 +1348,7 @@ def command_line(Args, main) -> None:
         while tb.tb_next:
             tb = tb.tb_next
         if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library, not by a check of this repository: the traceback says where
+            raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

@@ -1,24 +1,19 @@
 """Supervised fine-tuning (SFT) with a completion-only loss; also makes the embedded tiny model.
 
 The first stage of RLHF (InstructGPT, arXiv:2203.02155, Sec. 3.5): maximise the log-likelihood of demonstration
-completions given their prompts, with prompt and padding tokens masked out of the loss,
+completions given their prompts, prompt and padding tokens masked out of the loss,
     L(theta) = - sum_t log pi_theta(y_t | x, y_<t) / (number of completion tokens).
 
-Run:
-    python sft.py                                                 # 100 more SFT steps on models/tiny-arith, CPU
+Run (details: docs/sft.md):
+    python sft.py                                       # 100 more SFT steps on models/tiny-arith, CPU
     python sft.py --model-config models/tiny-arith-config.json --tokenizer-name-or-path data/arith/tokenizer \
-        --total-steps 250 --learning-rate 2e-3 --warmup-steps 25 --eval-every 50 --exp-name tiny-arith \
-        --final-dir models/tiny-arith                             # remake the embedded model
-    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/hub-dataset --dataset-split train \
-        --prompt-column question --completion-column response --max-length 1024     # any HF causal LM
-    torchrun --nproc-per-node 2 sft.py                            # data parallel (gloo on CPU, nccl on GPU)
+        --total-steps 250 --learning-rate 2e-3 --warmup-steps 25 --eval-every 50 --final-dir models/tiny-arith
+    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/hub-dataset --dataset-split train
+    torchrun --nproc-per-node 2 sft.py                  # DDP (gloo on CPU, nccl on GPU)
 
-Deviations and choices (details: docs/sft.md):
-- The loss is the token mean over the whole optimiser step (all micro-batches and processes), so gradient
-  accumulation and DDP give the same gradient as one big batch.
-- `--packing` concatenates examples (each ending in EOS) into rows of `--max-length`; attention is not blocked
-  between packed examples (as in TRL's simple packing), a small leak we accept.
-- `--dtype auto` keeps float32 weights and autocasts to bfloat16 on CUDA (float32 on CPU).
+Choices: the loss is the token mean over the whole optimiser step (all micro-batches and processes), so gradient
+accumulation and DDP give the gradient of one big batch; --packing does not block attention between packed
+examples (as TRL's simple packing).
 """
 
 import contextlib
@@ -47,43 +42,31 @@ from transformers.utils import logging as hf_logging
 
 @dataclass
 class Args:
-    # --- experiment / tracking
-    exp_name: str = "sft"
-    """name of this experiment, part of the run directory name"""
-    seed: int = 1
-    """seed of python, numpy and torch, and of the data order"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
-    wandb_entity: Optional[str] = None
-    """Weights & Biases team or user"""
-    output_dir: str = "runs"
-    """where run directories are created"""
+    # --- algorithm
+    max_length: int = 64
+    """longest prompt + completion in tokens (completions are truncated to fit)"""
+    packing: bool = False
+    """concatenate examples into full rows of --max-length"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
     """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
     model_config: Optional[str] = None
-    """build a fresh, randomly initialised model from this config JSON instead of loading weights"""
+    """config JSON of a fresh, randomly initialised model to train instead"""
     tokenizer_name_or_path: Optional[str] = None
-    """tokenizer folder or id; defaults to --model-name-or-path"""
+    """tokenizer folder or id (default: --model-name-or-path)"""
     dataset: str = "data/arith"
-    """local folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "sft"
     """split with prompts and demonstration completions"""
     eval_split: Optional[str] = "test"
-    """split with prompts and reference answers for greedy-decoding accuracy (None: no eval)"""
+    """split with prompts and answers for greedy-decoding accuracy (None: no eval)"""
     prompt_column: str = "prompt"
     """column holding the prompt"""
     completion_column: str = "completion"
     """column holding the demonstration completion"""
     answer_column: str = "answer"
     """column of the eval split holding the reference answer"""
-    max_length: int = 64
-    """longest prompt + completion in tokens; longer completions are truncated"""
-    packing: bool = False
-    """concatenate examples into full rows of --max-length"""
     eval_limit: int = 500
     """evaluate on at most this many eval examples"""
     max_new_tokens: int = 48
@@ -106,18 +89,10 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
-    device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
 
     # --- logging / checkpointing
     log_every: int = 10
-    """steps between rows of metrics.jsonl (and printed lines when the output is not a terminal)"""
+    """steps between rows of metrics.jsonl (and printed lines off a terminal)"""
     eval_every: int = 100
     """steps between greedy evaluations (0: only at start and end)"""
     save_every: int = 0
@@ -126,18 +101,36 @@ class Args:
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
     final_dir: Optional[str] = None
     """also write the final model here (e.g. models/tiny-arith)"""
+
+    # --- engineering / experiment
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP"""
+    device: str = "auto"
+    """cuda, cpu, or auto (cuda when available)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """weights dtype; auto: float32 weights, bfloat16 autocast on CUDA"""
+    exp_name: str = "sft"
+    """name of this experiment, part of the run directory name"""
+    seed: int = 1
+    """seed of python, numpy and torch, and of the data order"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "cleanrl-llm"
+    """Weights & Biases project"""
+    wandb_entity: Optional[str] = None
+    """Weights & Biases team or user"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
-
 
 # ---- the algorithm
 
 
 def completion_only_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token negative log-likelihood over labelled tokens, and their count (the loss above, unnormalised).
-
-    logits: [B, T, V]; labels: [B, T] with -100 on prompt and padding. Position t predicts t+1.
-    """
+    """The loss above unnormalised, and its token count. logits: [B, T, V]; labels: [B, T], -100 where masked."""
     targets = labels[:, 1:]
     nll = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
@@ -152,27 +145,20 @@ def build_example(prompt_ids: list[int], completion_ids: list[int], eos_id: int,
 
 
 def pack_examples(examples: list[tuple[list[int], list[int]]], max_length: int):
-    """Greedily concatenate (ids, labels) pairs into rows of exactly max_length (the tail is dropped)."""
-    rows, ids, labels = [], [], []
-    for e_ids, e_labels in examples:
-        ids, labels = ids + e_ids, labels + e_labels
-        while len(ids) >= max_length:
-            rows.append((ids[:max_length], labels[:max_length]))
-            ids, labels = ids[max_length:], labels[max_length:]
-    return rows
+    """Concatenate the (ids, labels) pairs and cut them into rows of exactly max_length (the tail is dropped)."""
+    ids = [t for e, _ in examples for t in e]
+    labels = [t for _, e in examples for t in e]
+    starts = range(0, len(ids) - max_length + 1, max_length)
+    return [(ids[i : i + max_length], labels[i : i + max_length]) for i in starts]
 
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
     """Right-pad to the longest example: input_ids, attention_mask, labels, each [B, T]."""
     width = max(len(ids) for ids, _ in examples)
-    out = torch.full((3, len(examples), width), 0, dtype=torch.long)
-    out[0].fill_(pad_id)
-    out[2].fill_(-100)
-    for i, (ids, labels) in enumerate(examples):
-        out[0, i, : len(ids)] = torch.tensor(ids)
-        out[1, i, : len(ids)] = 1
-        out[2, i, : len(labels)] = torch.tensor(labels)
-    return out[0], out[1], out[2]
+    ids = torch.tensor([x + [pad_id] * (width - len(x)) for x, _ in examples])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in examples])
+    labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in examples])
+    return ids, mask, labels
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
@@ -190,58 +176,53 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
     return scale * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress)
 
 
-def make_examples(tokenizer, prompts: list[str], completions: list[str], max_length: int, packing: bool) -> list:
-    """Tokenised (ids, labels) training rows: prompt + completion + EOS with the prompt masked, packed or not."""
+def make_examples(tokenizer, prompts: list[str], completions: list[str], args: Args) -> list:
+    """Tokenised (ids, labels) training rows (build_example), packed or not; at least a batch of them."""
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     completion_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
-    too_long = [i for i, p in enumerate(prompt_ids) if len(p) >= max_length]
-    if too_long:
-        raise ValueError(f"{len(too_long)} prompts are longer than --max-length {max_length} - 1 tokens (row "
-                         f"{too_long[0]} has {len(prompt_ids[too_long[0]])}); raise --max-length or shorten them")
-    examples = [build_example(p, c, tokenizer.eos_token_id, max_length) for p, c in zip(prompt_ids, completion_ids)]
-    if packing:
-        examples = pack_examples(examples, max_length)
-        if not examples:
-            raise ValueError(f"--packing: the data fills no row of --max-length {max_length}")
-    return examples
+    too_long = sum(len(p) >= args.max_length for p in prompt_ids)
+    if too_long:  # they would have no token to learn
+        raise ValueError(f"{too_long} prompts are longer than --max-length {args.max_length} - 1 tokens: raise it")
+    rows = [build_example(p, c, tokenizer.eos_token_id, args.max_length) for p, c in zip(prompt_ids, completion_ids)]
+    if args.packing:
+        rows = pack_examples(rows, args.max_length)
+    if len(rows) < args.batch_size:
+        raise ValueError(f"{len(rows)} training rows{' (packed)' * args.packing} < --batch-size {args.batch_size}")
+    return rows
 
 
-class Batches:
-    """Global batches of example indices in seeded random epochs (an epoch's tail shorter than a batch is skipped);
-    every process draws the same ones. Draws go on across a resume."""
-
-    def __init__(self, n: int, size: int, seed: int):
-        self.n, self.size, self.gen = n, size, torch.Generator().manual_seed(seed)
-        self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
-
-    def next(self) -> list[int]:
-        if self.cursor + self.size > len(self.order):
-            self.order, self.cursor = torch.randperm(self.n, generator=self.gen), 0
-        self.cursor += self.size
-        return self.order[self.cursor - self.size : self.cursor].tolist()
-
-    def state(self) -> dict:
-        return {"order_gen": self.gen.get_state(), "order": self.order, "cursor": self.cursor}
-
-    def load(self, state: dict) -> None:
-        self.gen.set_state(state["order_gen"])
-        self.order, self.cursor = state["order"], int(state["cursor"])
+def make_model(args: Args, vocab_size: int):
+    """A fresh model from --model-config (how models/tiny-arith is made), or --model-name-or-path's."""
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    if args.model_config is None:
+        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
+    if config.vocab_size < vocab_size:
+        raise ValueError(f"--model-config: vocab_size {config.vocab_size} < the tokenizer's {vocab_size}")
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def sft_update(model, optimizer, batch: list, args: Args, micro: int, rank: int, world: int, pad_id: int, device,
-               autocast) -> tuple[float, int, torch.Tensor]:
-    """One optimiser step on the global `batch` of (ids, labels): this process's share in --gradient-accumulation-steps
-    micro-batches of `micro`, each one's summed NLL divided by the completion tokens of the whole global batch (DDP
-    averages gradients over processes, hence x world). -> (this process's summed NLL, global tokens, grad norm)."""
-    n_tokens = sum(sum(1 for t in labels[1:] if t != -100) for _, labels in batch)
+def batch_indices(step: int, n: int, size: int, seed: int) -> list[int]:
+    """Step `step`'s global batch: epochs of a permutation seeded by seed + epoch, the tail shorter than a batch
+    skipped; a function of the step alone, so every process and a resumed run draw the same."""
+    epoch, k = divmod(step - 1, n // size)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    return order[k * size : (k + 1) * size].tolist()
+
+
+def sft_update(model, optimizer, batch: list, micro: int, args: Args, run, pad_id: int, autocast):
+    """One optimiser step on this process's share of the global `batch`, in micro-batches of `micro`; the loss is the
+    token mean over the global batch. -> (this process's summed NLL, the global completion tokens, grad norm)."""
+    n_tokens = sum(sum(t != -100 for t in labels[1:]) for _, labels in batch)
     accum = args.gradient_accumulation_steps
-    mine = batch[rank * micro * accum :][: micro * accum]
-    ddp, nll_sum = isinstance(model, torch.nn.parallel.DistributedDataParallel), 0.0
+    mine = batch[run.rank * micro * accum :][: micro * accum]
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    nll_sum = 0.0
     for k in range(accum):
-        ids, mask, labels = (t.to(device) for t in collate(mine[k * micro : (k + 1) * micro], pad_id))
+        ids, mask, labels = (t.to(run.device) for t in collate(mine[k * micro : (k + 1) * micro], pad_id))
         with (model.no_sync() if ddp and k < accum - 1 else torch.enable_grad()), autocast:
             nll, _ = completion_only_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
-            (nll * world / n_tokens).backward()
+            (nll * run.world / n_tokens).backward()  # x world: DDP averages the gradients
         nll_sum += nll.item()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     optimizer.step()
@@ -253,82 +234,46 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "ev
                      "wandb_project_name", "wandb_entity", "device", "final_dir")
 
 
-def check_args(args: Args) -> int:
-    """Every check that needs no model or data loading, before any work; -> the micro-batch each process uses."""
-    check_common(args, ("total_steps", "batch_size", "gradient_accumulation_steps", "max_length", "log_every",
-                        "max_new_tokens", "learning_rate"), ("eval_every", "save_every", "warmup_steps", "eval_limit"),
-                 (args.model_name_or_path,) if args.model_config is None else ())  # a fresh model loads no weights
-    world, accum = int(os.environ.get("WORLD_SIZE", 1)), args.gradient_accumulation_steps
-    if args.batch_size % (world * accum):
-        raise ValueError(f"--batch-size {args.batch_size} is not divisible by processes ({world}) x "
-                         f"--gradient-accumulation-steps ({accum}) = {world * accum}: use --batch-size "
-                         f"{world * accum * max(1, args.batch_size // (world * accum))}")
-    if args.model_config is not None and not Path(args.model_config).is_file():
-        raise ValueError(f"--model-config {args.model_config} is not a file")
-    tok = args.tokenizer_name_or_path
-    if tok and check_local_or_hub("model", tok) and not any((Path(tok).expanduser() / f).exists() for f in (
-            "tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ValueError(f"--tokenizer-name-or-path {tok}: no tokenizer (tokenizer.json or tokenizer_config.json)")
-    return args.batch_size // (world * accum)
-
-
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
-    #    up processes, device and seeds.
+    # 0. Check every input before any work (--resume: the run's own arguments).
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     run = Run(args, overrides, shown=("train/loss", "eval/accuracy"))
-    device, rank, world = run.device, run.rank, run.world
 
     # 1. Data: prompt + completion + EOS, the prompt masked out of the loss; the eval prompts and their answers.
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path or args.model_name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     flags = "--prompt-column/--completion-column/--answer-column"
     train = load_split(args, "dataset_split", [args.prompt_column, args.completion_column], flags)
-    examples = make_examples(tokenizer, list(train[args.prompt_column]), list(train[args.completion_column]),
-                             args.max_length, args.packing)
+    examples = make_examples(tokenizer, list(train[args.prompt_column]), list(train[args.completion_column]), args)
     eval_prompts, eval_answers = [], []
     if args.eval_split:
-        ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], flags)
-        n = min(len(ev), args.eval_limit)
-        eval_prompts, eval_answers = list(ev[args.prompt_column][:n]), list(ev[args.answer_column][:n])
+        ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], flags)[: args.eval_limit]
+        eval_prompts, eval_answers = ev[args.prompt_column], ev[args.answer_column]
 
-    # 2. Model: fresh from a config (how models/tiny-arith is made) or pretrained weights.
-    weights_dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    if args.model_config is not None:
-        config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
-        if config.vocab_size < len(tokenizer):
-            raise ValueError(f"config vocab_size {config.vocab_size} < tokenizer size {len(tokenizer)}")
-        model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=weights_dtype)
-    model.to(device)
+    # 2. Model: fresh or pretrained; under torchrun DDP's copies or FSDP2's shards (per decoder layer).
+    model = make_model(args, len(tokenizer)).to(run.device)
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     raw_model = model
-    if run.fsdp:  # each decoder layer sharded over the processes (FSDP2)
+    if run.fsdp:
         model = run.shard(model, decoder_layers(model))
     elif run.ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
 
-    # 3. Optimiser, schedule and data order; on --resume the weights, then all their states.
+    # 3. Optimiser and schedule; on --resume the weights, then all their states.
     optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
     run.trained = (model, optimizer)  # what --fsdp checkpoints in shards
     lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
-    batches = Batches(len(examples), args.batch_size, args.seed)
-    state = run.restore(raw_model, optimizer, scheduler)
-    if state:
-        batches.load(state)
-        lr_anchor = state["lr_anchor"]
-        if "total_steps" in overrides:  # the decay continues from where it is to the new last step
-            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
-                                              args.lr_schedule, lr_anchor))
+    lr_anchor = run.restore(raw_model, optimizer, scheduler).get("lr_anchor")
+    if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
+        old_total = overrides["total_steps"][0]
+        lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, lr_anchor))
 
     def measure() -> tuple[dict, list]:
         if not eval_prompts:
@@ -339,42 +284,52 @@ def main(args: Args) -> dict:
 
     def save() -> Path:
         return run.checkpoint(raw_model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
-                                                     "lr_anchor": lr_anchor,
-                                                     "scheduler": scheduler.state_dict(), **batches.state()}, {})
+                                                     "scheduler": scheduler.state_dict(), "lr_anchor": lr_anchor}, {})
 
     # 4. Train.
-    run.say(f"run directory: {run.dir}  |  {len(examples)} training rows, {len(eval_prompts)} eval prompts, "
-            f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters on {device}")
-    final, tokens, t_log, last_log = {}, 0, time.time(), run.start
+    run.say(f"run directory: {run.dir}  |  {len(examples)} training rows, {len(eval_prompts)} eval prompts")
+    final = {}
     with run:
         for step in run.steps(measure, save):
-            # 4a. The next global batch in epoch order; every process draws the same indices and keeps its share.
-            batch = [examples[i] for i in batches.next()]
-            # 4b. One optimiser step on the completion-only loss, normalised by the global batch's completion tokens.
-            nll_sum, n_tokens, grad_norm = sft_update(model, optimizer, batch, args, micro, rank, world,
-                                                      tokenizer.pad_token_id, device, autocast)
-            lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
+            t0 = time.perf_counter()
+            # 4a. The step's global batch; each process keeps its share.
+            batch = [examples[i] for i in batch_indices(step, len(examples), args.batch_size, args.seed)]
+            # 4b. One optimiser step on the completion-only loss, the token mean over the global batch.
+            nll_sum, n_tokens, grad_norm = sft_update(model, optimizer, batch, micro, args, run, tokenizer.pad_token_id,
+                                                      autocast)
+            lr = scheduler.get_last_lr()[0]  # the rate of this step's update
             scheduler.step()
-            tokens += sum(len(ids) for ids, _ in batch)
+            seconds = time.perf_counter() - t0
 
-            # 4c. Log the loss over all processes, the gradient norm, the rate and the throughput.
+            # 4c. Log this step's loss over all processes, gradient norm, rate and throughput.
             if step % args.log_every == 0 or step == args.total_steps:
-                if run.ddp:
-                    total = torch.tensor([nll_sum], device=device)
-                    dist.all_reduce(total)
-                    nll_sum = total.item()
-                elapsed = time.time() - t_log
-                final = {"step": step, "train/loss": nll_sum / n_tokens, "train/grad_norm": float(grad_norm),
-                         "train/lr": lr, "perf/step_s": elapsed / (step - last_log),
-                         "perf/tokens_per_s": tokens / max(elapsed, 1e-9)}
+                loss = float(run.gather(torch.tensor([nll_sum], device=run.device)).sum()) / n_tokens
+                final = {"step": step, "train/loss": loss, "train/grad_norm": float(grad_norm), "train/lr": lr,
+                         "perf/step_s": seconds, "perf/tokens_per_s": sum(len(ids) for ids, _ in batch) / seconds}
                 run.log(final)
-                t_log, tokens, last_log = time.time(), 0, step
 
     # 5. Final evaluation, a checkpoint, the trained model in final/ (and in --final-dir).
     out = run.finish(final, measure, save, raw_model, tokenizer)
-    if rank == 0 and args.final_dir and not out["interrupted"]:
+    if run.rank == 0 and args.final_dir and not out["interrupted"]:
         save_pretrained(Path(args.final_dir), raw_model, tokenizer)
     return out
+
+
+def check_args(args: Args) -> int:
+    """Every check that needs no model or data loading, before any work; -> the micro-batch each process uses."""
+    check_common(args, ("total_steps", "batch_size", "gradient_accumulation_steps", "max_length", "log_every",
+                        "max_new_tokens", "learning_rate"), ("eval_every", "save_every", "warmup_steps", "eval_limit"),
+                 () if args.model_config else (args.model_name_or_path,))  # a fresh model loads no weights
+    passes = int(os.environ.get("WORLD_SIZE", 1)) * args.gradient_accumulation_steps
+    if args.batch_size % passes:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by processes x --gradient-accumulation-steps"
+                         f" = {passes}: use --batch-size {passes * max(1, args.batch_size // passes)}")
+    if args.model_config and not Path(args.model_config).is_file():
+        raise ValueError(f"--model-config {args.model_config} is not a file")
+    tok = args.tokenizer_name_or_path
+    if tok and check_local_or_hub("model", tok) and not list(Path(tok).expanduser().glob("tokenizer*.*")):
+        raise ValueError(f"--tokenizer-name-or-path {tok}: no tokenizer (tokenizer.json or tokenizer_config.json)")
+    return args.batch_size // passes
 
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
@@ -411,9 +366,8 @@ CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_conf
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Sampling and greedy evaluation follow this script's flags alone: of the checkpoint's generation_config only the
-    special tokens are kept (transformers fills every field a script leaves unset from it, e.g. a repetition_penalty,
-    and the sampler would no longer be softmax(logits / T)); the fields dropped are named once. -> the EOS ids."""
+    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
+    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -429,9 +383,8 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with the columns needed: a folder's `<split>.jsonl`, or a hub dataset's split; of a
-    single JSON-lines file, a fixed seeded 10% for the eval splits and the rest for training (all of it, with none).
-    Bad data is one line naming the file and the line; a folder's missing splits are named together."""
+    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
+    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -475,7 +428,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
 
 
 def json_lines_problem(file: Path, option: str) -> Optional[str]:
-    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why', or None."""
+    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why'."""
     rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
     if not rows:
         return " is empty: it needs at least one JSON line"
@@ -514,7 +467,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 
 def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
-    """The checks every script makes before any work: counts, device, model folders, --fsdp."""
+    """Counts, device, model folders and --fsdp, before any work."""
     for name in positive + non_negative:
         low = name in positive and getattr(args, name) <= 0
         if low or getattr(args, name) < 0:
@@ -534,7 +487,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
 
 
 def check_fsdp(args) -> None:
-    """--fsdp: launched by torchrun, no LoRA, and decoder layers to shard (found on a weightless copy of the model)."""
+    """--fsdp: under torchrun, no LoRA, and decoder layers to shard (looked for on a weightless copy)."""
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
@@ -544,8 +497,8 @@ def check_fsdp(args) -> None:
         raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
                          "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights and "
-                         f"optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
+                         f"and optimizer states, per process): pass a complete checkpoint of the run")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -564,28 +517,28 @@ def decoder_layers(model) -> list:
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own arguments, with the flags given here that differ from their defaults applied on top
-    (`may_change`: cadence, tracking, device) or refused. -> (args, {flag: [run's value, new value]})."""
+    """--resume: the run's own args; flags given here apply if in `may_change`, else are refused. -> (args, changes)"""
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass " + (
-            f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "runs/<run>/checkpoints/step_N"))
+        where = "runs/<run>/checkpoints/step_N"
+        if found:
+            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
-    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
-                 if k in cls.__dataclass_fields__})  # JSON has no tuples
-    for name in cls.__dataclass_fields__:
+    fields = cls.__dataclass_fields__
+    out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
+    for name in fields:
         given = getattr(args, name)
         if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
-                             f"({args.resume}/args.json): it would change the algorithm or the data, so it cannot "
-                             f"change on resume; drop the flag, or start a new run. Flags that may change: "
-                             f"{', '.join('--' + n.replace('_', '-') for n in may_change)}")
+                             f"({args.resume}/args.json) and cannot change on resume; drop the flag, or start a new "
+                             f"run. Flags that may change: {', '.join('--' + n.replace('_', '-') for n in may_change)}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -598,8 +551,8 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write into a temporary folder, then rename: a killed run never leaves half a checkpoint. weights: the state
-    dict to write (--fsdp gathers it), else the model's own; sharded: a folder moved in as sharded/ (--fsdp)."""
+    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
+    gathered, `sharded` is moved in as sharded/.)"""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -618,9 +571,9 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as each process sees it: processes, device and seeds; with `with run:` the run directory (rank 0;
-    removed if the run fails before its first step ends), W&B and Ctrl-C (the first finishes the step and saves,
-    a second quits); metrics, evaluation and checkpoint cadence, the progress line, and the closing summary."""
+    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
+    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
+    evaluation and checkpoint cadence, the progress line and the closing summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -646,8 +599,7 @@ class Run:
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
-        """--resume: the trained weights (this process's shards under --fsdp, the LoRA adapters, or the whole model),
-        the optimizer's and scheduler's states and the RNGs -> trainer_state.pt's entries ({} on a new run)."""
+        """--resume: weights (shards, LoRA adapters or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -673,8 +625,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2's fully_shard on each decoder layer, then on `module` (the root, which keeps the rest: the
-        embeddings, the head); on CUDA the parameters compute in bfloat16 and gradients reduce in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
+        in bfloat16, gradients reduced in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -690,9 +642,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: every process holds the whole weights of the trained model (sharded first) inside: sampling and
-        evaluation run without a collective per decode step, so a process may run more steps than another; sharded
-        again on leaving. The reference stays sharded. Without --fsdp, nothing."""
+        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
+        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -707,8 +658,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model) -> Optional[dict]:
-        """--fsdp: the model's whole state dict on rank 0's CPU (every process takes part); None elsewhere and without
-        FSDP."""
+        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -717,8 +667,7 @@ class Run:
         return whole if self.rank == 0 else None
 
     def load_sharded(self, path) -> None:
-        """--fsdp --resume: the trained module's sharded weights and its optimizer's states, from `path`/sharded
-        (torch.distributed.checkpoint), each process reading its own shards."""
+        """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -736,8 +685,7 @@ class Run:
         return torch.cat(parts)
 
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
-        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, step, args, RNGs, every process's
-        `per_rank` tensors)."""
+        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
@@ -760,8 +708,7 @@ class Run:
             dist.barrier()
 
     def log(self, metrics: dict, table: Optional[tuple[str, list, list]] = None) -> None:
-        """A row of metrics.jsonl and W&B (with `table`: key, columns, rows of samples), from rank 0; on CUDA a training
-        row gets perf/peak_gb, the peak of torch.cuda.max_memory_allocated so far (rank 0's)."""
+        """A row of metrics.jsonl and W&B (`table`: key, columns, rows); on CUDA a training row gets perf/peak_gb."""
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -808,12 +755,17 @@ class Run:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:  # (no login: wandb.init says how to log in, or WANDB_MODE=offline)
+        if args.track and self.rank == 0:
             import wandb
 
+            try:
+                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                           config=vars(args), dir=str(self.dir), resume="allow")
+            except Exception:  # e.g. no login: wandb's own error says how to log in
+                if not args.resume:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                raise
             self.wandb = wandb
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args),
-                       dir=str(self.dir), resume="allow")
         self.previous = signal.signal(signal.SIGINT, self.interrupt)
         return self
 
@@ -832,8 +784,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps, with evaluation at 0 and every --eval-every, a checkpoint every
-        --save-every, and after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
+        after a Ctrl-C a checkpoint and the end of the loop."""
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -867,8 +819,8 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it), and the
-        summary: each eval metric at the start and the end, where final/ is, and `notes` for the next step."""
+        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
+        summary (each eval metric at the start and the end, `notes`)."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()
@@ -888,8 +840,7 @@ class Run:
 
 
 def command_line(Args, main) -> None:
-    """`python <script>.py --flags`: main(the flags); bad input caught by the checks here as one line that names the
-    fix, not a traceback; a second Ctrl-C quits at once with code 130 (the last checkpoint written is intact)."""
+    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
     try:
         main(tyro.cli(Args))
     except KeyboardInterrupt:
@@ -900,7 +851,7 @@ def command_line(Args, main) -> None:
         while tb.tb_next:
             tb = tb.tb_next
         if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library, not by a check of this repository: the traceback says where
+            raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

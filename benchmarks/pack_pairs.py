@@ -58,13 +58,13 @@ for name, dpo_pairs in cases:
     out = []
     for packed in (False, True):
         sc = rm.PairScorer(rmodel, packed)
-        b = [t.cuda() for t in (rm.pack_pairs if packed else rm.collate_pairs)(rm_pairs, 0)[:-1]]
+        b = rm.pair_batch(rm_pairs, 0, packed, "cuda")
         def step():
             with ac: s = sc(*b)
-            rm.preference_loss(s[:, 0], s[:, 1]).mean().backward()
+            rm.bradley_terry_loss(s[:, 0], s[:, 1]).mean().backward()
         t_rm = timeit(step); rmodel.zero_grad(set_to_none=True)
         fn = dpo.packed_logprobs if packed else dpo.sequence_logprobs
-        bd = [t.cuda() for t in (dpo.pack_pairs if packed else dpo.collate_pairs)(dpo_pairs, 0)]
+        bd = [t.cuda() for t in (dpo.pack_completions if packed else dpo.collate_completions)(dpo_pairs, 0)]
         def dstep():
             with ac: l = fn(lm, *bd)
             l.sum().backward()

@@ -85,7 +85,8 @@ def test_clipped_policy_loss_hand_computed():
     # min(1.5*1, 1.2*1) = 1.2; min(0.5*-1, 0.8*-1) = -0.8; min(1.1*2, 1.2*2) = 2.2 -> loss = -(1.2 - 0.8 + 2.2)/3
     ratio = torch.tensor([1.5, 0.5, 1.1])
     old = torch.tensor([-1.0, -2.0, -0.5])
-    loss, approx_kl, clip_frac = cp.clipped_policy_loss(old + ratio.log(), old, torch.tensor([1.0, -1.0, 2.0]), 0.2)
+    advantages = torch.tensor([1.0, -1.0, 2.0])
+    loss, approx_kl, clip_frac = cp.mean_clipped_policy_loss(old + ratio.log(), old, advantages, 0.2)
     assert loss.item() == pytest.approx(-(1.2 - 0.8 + 2.2) / 3, rel=1e-6)
     k3 = [(r - 1) - math.log(r) for r in (1.5, 0.5, 1.1)]  # http://joschu.net/blog/kl-approx.html
     assert approx_kl.item() == pytest.approx(sum(k3) / 3, rel=1e-5)
@@ -98,7 +99,8 @@ def test_clipped_policy_loss_hand_computed():
     (False, 0.5 * (1.0 + 0.0) / 2),
 ])
 def test_value_loss_hand_computed(clip, expected):
-    loss = cp.value_loss(torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0]), torch.tensor([3.0, 1.0]), 0.2, clip)
+    new, old, returns = torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0]), torch.tensor([3.0, 1.0])
+    loss = cp.unmasked_value_loss(new, old, returns, 0.2, clip)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
 
 
@@ -116,20 +118,21 @@ def test_value_loss_takes_the_elementwise_max_not_the_max_of_the_means():
     # element-wise max then mean: 0.5 * (3.24 + 6.25) / 2 = 2.3725; the max of the two means
     # (the specification's form) would give 0.5 * max(3.625, 4.04) = 2.02
     new, old, returns = [2.0, 0.5], [1.0, 1.0], [3.0, 3.0]
-    loss = cp.value_loss(torch.tensor(new), torch.tensor(old), torch.tensor(returns), 0.2, True)
+    loss = cp.unmasked_value_loss(torch.tensor(new), torch.tensor(old), torch.tensor(returns), 0.2, True)
     assert value_loss_reference(new, old, returns, 0.2) == pytest.approx(2.3725)
     assert loss.item() == pytest.approx(2.3725, rel=1e-6)
     g = torch.Generator().manual_seed(3)
     new, old, returns = (torch.randn(50, generator=g).double() * 2 for _ in range(3))
     want = value_loss_reference(new.tolist(), old.tolist(), returns.tolist(), 0.3)
-    assert cp.value_loss(new, old, returns, 0.3, True).item() == pytest.approx(want, rel=1e-12)
+    assert cp.unmasked_value_loss(new, old, returns, 0.3, True).item() == pytest.approx(want, rel=1e-12)
 
 
 def test_normalize_advantages_and_explained_variance():
     adv = cp.normalize_advantages(torch.tensor([1.0, 2.0, 3.0]))
     assert torch.allclose(adv, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-6)  # unbiased std of 1,2,3 is 1
-    assert cp.explained_variance(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 3.0])) == pytest.approx(1.0)
-    assert math.isnan(cp.explained_variance(torch.zeros(3), torch.ones(3)))
+    x = torch.tensor([1.0, 2.0, 3.0])
+    assert cp.unmasked_explained_variance(x, x) == pytest.approx(1.0)
+    assert math.isnan(cp.unmasked_explained_variance(torch.zeros(3), torch.ones(3)))
 
 
 # ---------------------------------------------------------------------------------------------- environment math

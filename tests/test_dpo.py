@@ -47,7 +47,7 @@ D_SIMPO = [-0.5, -0.85]
 
 def loss_of(loss_type, beta=0.1, eps=0.0, gamma=0.0, ipo_logps="mean"):
     chosen, rejected = dpo.pair_logratios(POLICY_C, POLICY_R, REF_C, REF_R, LEN_C, LEN_R, loss_type, ipo_logps)
-    return dpo.preference_loss(chosen, rejected, loss_type, beta, eps, gamma).tolist()
+    return dpo.dpo_loss(chosen, rejected, loss_type, beta, eps, gamma).tolist()
 
 
 def test_pair_logratios_hand_computed():
@@ -87,9 +87,9 @@ def test_robust_is_unbiased_under_label_flips():
     of the true one: (1 - eps) l_rob(d) + eps l_rob(-d) = -log sigmoid(beta d)."""
     d = torch.tensor([1.5, -0.4, 3.0, 0.0], dtype=torch.float64)
     for eps in (0.0, 0.1, 0.3, 0.45):
-        kept = dpo.preference_loss(d, torch.zeros_like(d), "robust", 0.7, eps)
-        flipped = dpo.preference_loss(-d, torch.zeros_like(d), "robust", 0.7, eps)
-        clean = dpo.preference_loss(d, torch.zeros_like(d), "sigmoid", 0.7)
+        kept = dpo.dpo_loss(d, torch.zeros_like(d), "robust", 0.7, eps)
+        flipped = dpo.dpo_loss(-d, torch.zeros_like(d), "robust", 0.7, eps)
+        clean = dpo.dpo_loss(d, torch.zeros_like(d), "sigmoid", 0.7)
         assert torch.allclose((1 - eps) * kept + eps * flipped, clean, atol=1e-12)
     # by hand, eps = 0.2, beta 0.1, d = 1.5: (0.8 softplus(-0.15) - 0.2 softplus(0.15)) / 0.6
     assert loss_of("robust", eps=0.2)[0] == pytest.approx((0.8 * softplus(-0.15) - 0.2 * softplus(0.15)) / 0.6,
@@ -102,9 +102,9 @@ def test_simpo_hand_computed_and_length_normalised():
     assert loss_of("simpo", beta=2.0, gamma=0.5) == pytest.approx([softplus(1.5), softplus(2.2)], rel=1e-6)
     # repeating each completion k times (k x the tokens, k x the summed log-prob) leaves SimPO unchanged, not DPO
     for loss_type, same in (("simpo", True), ("sigmoid", False)):
-        base = dpo.preference_loss(*dpo.pair_logratios(POLICY_C, POLICY_R, REF_C, REF_R, LEN_C, LEN_R, loss_type),
+        base = dpo.dpo_loss(*dpo.pair_logratios(POLICY_C, POLICY_R, REF_C, REF_R, LEN_C, LEN_R, loss_type),
                                    loss_type, 2.0, 0.0, 0.5)
-        longer = dpo.preference_loss(*dpo.pair_logratios(3 * POLICY_C, 3 * POLICY_R, 3 * REF_C, 3 * REF_R, 3 * LEN_C,
+        longer = dpo.dpo_loss(*dpo.pair_logratios(3 * POLICY_C, 3 * POLICY_R, 3 * REF_C, 3 * REF_R, 3 * LEN_C,
                                                          3 * LEN_R, loss_type), loss_type, 2.0, 0.0, 0.5)
         assert torch.allclose(base, longer) == same
 
@@ -130,7 +130,7 @@ def reference_sums(model, rows) -> list[float]:
 
 def test_sequence_logprobs_equal_float64_reference_on_ragged_pairs(tiny):
     model = AutoModelForCausalLM.from_pretrained(tiny / "model").eval()
-    ids, attention, completion = dpo.collate_pairs(RAGGED, pad_id=0)
+    ids, attention, completion = dpo.collate_completions(RAGGED, pad_id=0)
     assert ids.shape == (6, 8) and completion.sum(1).tolist() == [3, 5, 1, 2, 2, 4]
     with torch.no_grad():
         got = dpo.sequence_logprobs(model, ids, attention, completion)
@@ -143,13 +143,13 @@ def test_concatenated_pass_equals_two_separate_passes(tiny):
     """Chosen and rejected in one [2B, T] pass give the values and the gradient of two passes, each padded to
     its own width."""
     model = AutoModelForCausalLM.from_pretrained(tiny / "model")
-    joint = dpo.sequence_logprobs(model, *dpo.collate_pairs(RAGGED, pad_id=0))
+    joint = dpo.sequence_logprobs(model, *dpo.collate_completions(RAGGED, pad_id=0))
     joint.sum().backward()
     grad_joint = model.model.embed_tokens.weight.grad.clone()
     model.zero_grad()
     apart = []
     for i in (1, 2):  # the chosen completions alone, then the rejected ones
-        ids, attention, completion = dpo.collate_pairs([(pair[0], pair[i], pair[i]) for pair in RAGGED], pad_id=0)
+        ids, attention, completion = dpo.collate_completions([(pair[0], pair[i], pair[i]) for pair in RAGGED], pad_id=0)
         n = len(RAGGED)
         apart.append(dpo.sequence_logprobs(model, ids[:n], attention[:n], completion[:n]))
     torch.cat(apart).sum().backward()
@@ -166,7 +166,7 @@ SHARED = [([5, 6], [7, 8, 9, 1], [7, 8, 10, 11, 1]), ([4], [12, 1], [13, 1]), ([
 def test_pack_pairs_layout_hand_checked():
     """prompt 5 6, chosen 7 8 1, rejected 7 9 1 (shared: 7): row 5 6 7 8 1 9 1; the rejected tail sees 5 6 7
     and itself, at positions 3 4; its 9 is predicted at column 2 (the 7), its 1 at column 5 (the 9)."""
-    ids, allowed, position_ids, columns, targets, owners = dpo.pack_pairs([([5, 6], [7, 8, 1], [7, 9, 1])], pad_id=0)
+    ids, allowed, position_ids, columns, targets, owners = dpo.pack_completions([([5, 6], [7, 8, 1], [7, 9, 1])], pad_id=0)
     assert ids.tolist() == [[5, 6, 7, 8, 1, 9, 1]] and position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4]]
     assert columns.tolist() == [1, 2, 3, 2, 5] and targets.tolist() == [7, 8, 1, 9, 1]
     assert owners.T.tolist() == [[0, 0], [1, 0], [0, 1], [0, 2], [1, 3], [1, 4]]  # (sequence, entry); 1 = rejected
@@ -181,13 +181,13 @@ def test_packed_logprobs_equal_float64_reference_and_the_plain_gradient(tiny, at
     model = AutoModelForCausalLM.from_pretrained(tiny / "model", attn_implementation=attn)
     pairs = RAGGED + SHARED
     with torch.no_grad():
-        got = dpo.packed_logprobs(model.eval(), *dpo.pack_pairs(pairs, pad_id=0))
+        got = dpo.packed_logprobs(model.eval(), *dpo.pack_completions(pairs, pad_id=0))
     rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
     assert got.double().tolist() == pytest.approx(reference_sums(model, rows), abs=1e-5)
-    assert dpo.check_packing(model, pairs, 0, "cpu") is None
+    assert dpo.check_packing(model, lambda packed: dpo.pair_logprobs(model, pairs, 0, packed)) is None
 
     grads = []
-    for logprobs, collate in ((dpo.sequence_logprobs, dpo.collate_pairs), (dpo.packed_logprobs, dpo.pack_pairs)):
+    for logprobs, collate in ((dpo.sequence_logprobs, dpo.collate_completions), (dpo.packed_logprobs, dpo.pack_completions)):
         model.zero_grad()
         logp = logprobs(model.train(), *collate(pairs, 0)).view(2, -1)
         (logp[0] - 2 * logp[1]).square().sum().backward()
@@ -208,8 +208,8 @@ def test_packed_and_plain_runs_train_alike_and_a_failed_check_falls_back(tiny, t
     a, b = (load_file(Path(r["run_dir"]) / "final" / "model.safetensors") for r in runs)
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
 
-    pack = dpo.pack_pairs
-    monkeypatch.setattr(dpo, "pack_pairs", lambda pairs, pad_id: (lambda ids, allowed, *rest: (
+    pack = dpo.pack_completions
+    monkeypatch.setattr(dpo, "pack_completions", lambda pairs, pad_id: (lambda ids, allowed, *rest: (
         ids, torch.ones_like(allowed).tril(), *rest))(*pack(pairs, pad_id)))
     fallback = dpo.main(tiny_args(tiny, tmp_path / "fallback", total_steps=3))
     assert "--pack-pairs: running chosen and rejected in rows of their own" in capsys.readouterr().out
@@ -315,15 +315,21 @@ GOOD = {"prompt": "1+1=", "chosen": "<answer>2</answer>", "rejected": "<answer>3
 
 @pytest.mark.parametrize("rows,message", [
     ([GOOD, {"prompt": "2+2=", "chosen": "<answer>4</answer>"}], "line 2: no column ['rejected']"),
-    ([{"prompt": "2+2=", "rejected": "4"}], "line 1: no column ['chosen']"),
-    ([GOOD, {**GOOD, "rejected": GOOD["chosen"]}], "line 2: chosen and rejected completions are identical"),
-    ([{**GOOD, "chosen": ""}], "line 1: the 'chosen' completion is empty"),
+    ([GOOD, {**GOOD, "rejected": GOOD["chosen"]}], "line 2: 'chosen' and 'rejected' are the same text"),
+    ([{**GOOD, "chosen": 5}], "line 1: 'chosen' and 'rejected' must be text, got 5"),
 ])
 def test_bad_pairs_fail_before_any_work(tiny, tmp_path, rows, message):
     data = write_pairs(tmp_path / "data", rows)
     with pytest.raises(ValueError) as e:
         dpo.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), eval_split=None, pref_eval_split=None))
     assert message in str(e.value) and str(data / "prefs.jsonl") in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_column_missing_from_the_whole_split_is_named_with_the_flag(tiny, tmp_path):
+    data = write_pairs(tmp_path / "data", [{"prompt": "2+2=", "rejected": "4"}])
+    with pytest.raises(ValueError, match=r"split 'prefs' has no column \['chosen'\].*--chosen-column"):
+        dpo.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), eval_split=None, pref_eval_split=None))
     assert not (tmp_path / "out").exists()
 
 
@@ -335,7 +341,7 @@ def test_bad_pairs_fail_before_any_work(tiny, tmp_path, rows, message):
     ({"loss_type": "simpo", "precompute_ref_logps": True}, "simpo is reference-free: --precompute-ref-logps"),
     ({"beta": 0.0}, "--beta must be > 0, got 0.0"),
     ({"beta": -0.1}, "--beta must be > 0, got -0.1"),
-    ({"rpo_alpha": -1.0}, "--rpo-alpha >= 0"),
+    ({"rpo_alpha": -1.0}, "--rpo-alpha must be >= 0"),
     ({"batch_size": 6, "micro_batch_size": 4}, "use --micro-batch-size 3"),
     ({"pref_eval_split": "nope"}, "has no nope.jsonl"),
     ({"pref_eval_limit": -1}, "--pref-eval-limit must be >= 0"),
@@ -354,16 +360,19 @@ def test_micro_batch_defaults_to_the_largest_divisor_up_to_64(tiny, tmp_path):
         dpo.check_args(tiny_args(tiny, tmp_path, batch_size=128, micro_batch_size=100))
 
 
-def test_loaded_pairs_are_checked_too(tiny, tmp_path):
-    """A hub dataset is not read by check_args: its pairs are checked when loaded, naming the split and row."""
+def test_pairs_are_tokenised_with_eos_and_cut(tiny, tmp_path):
+    """A completion keeps its first --max-completion-length tokens (its EOS included); the rows are checked on load,
+    naming the file and the line."""
     from transformers import AutoTokenizer
 
     data = write_pairs(tmp_path / "data", [GOOD, {**GOOD, "rejected": GOOD["chosen"]}])
-    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
-    with pytest.raises(ValueError, match=r"split 'prefs', row 2: chosen and rejected completions are identical"):
-        dpo.load_pairs(tokenizer, tiny_args(tiny, tmp_path, dataset=str(data)), "dataset_split")
-    pairs = dpo.load_pairs(tokenizer, tiny_args(tiny, tmp_path, dataset=str(data), max_completion_length=3),
-                           "dataset_split", 1)
+    with pytest.raises(ValueError, match=r"prefs.jsonl, line 2: 'chosen' and 'rejected' are the same text"):
+        dpo.load_pairs(tiny_args(tiny, tmp_path, dataset=str(data), eval_split=None, pref_eval_split=None),
+                       "dataset_split", ["prompt", "chosen", "rejected"])
+    write_pairs(tmp_path / "data", [GOOD])
+    args = tiny_args(tiny, tmp_path, dataset=str(data), max_completion_length=3, eval_split=None, pref_eval_split=None)
+    ds = dpo.load_pairs(args, "dataset_split", ["prompt", "chosen", "rejected"])
+    pairs = dpo.tokenize_completions(AutoTokenizer.from_pretrained(tiny / "model"), ds, args)
     assert len(pairs) == 1 and len(pairs[0][1]) == 3 and pairs[0][1] != pairs[0][2]  # cut to 3 tokens, EOS lost
 
 
@@ -382,7 +391,7 @@ def test_packed_padding_keeps_position_ids_within_a_learned_position_table():
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=12)).eval()
     pairs = [([5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 1], [20, 21, 22, 23, 24, 25, 26, 27, 1]), ([4], [12, 1], [13, 1])]
-    batch = dpo.pack_pairs(pairs, pad_id=0)
+    batch = dpo.pack_completions(pairs, pad_id=0)
     assert int(batch[2].max()) < 12
     with torch.no_grad():
         got = dpo.packed_logprobs(model, *batch)

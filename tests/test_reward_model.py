@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
 import reward_model as rm
-from rewards import make_reward
+from rewards import answers_match, extract_answer, make_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,17 +50,17 @@ def read_jsonl(path) -> list[dict]:
 def test_preference_loss_hand_computed():
     chosen, rejected = torch.tensor([2.0, 0.5, -1.0]), torch.tensor([1.0, 1.5, -1.0])
     # differences 1, -1, 0: -log sigmoid(d) = log(1 + e^-d) = 0.3132617, 1.3132617, log 2
-    plain = rm.preference_loss(chosen, rejected)
+    plain = rm.bradley_terry_loss(chosen, rejected)
     assert plain.tolist() == pytest.approx([0.3132617, 1.3132617, 0.6931472], abs=1e-6)
     # margins 0.5, 0, 1 -> differences 0.5, -1, -1: log(1 + e^-0.5) = 0.4740770
-    margin = rm.preference_loss(chosen, rejected, margin=torch.tensor([0.5, 0.0, 1.0]))
+    margin = rm.bradley_terry_loss(chosen, rejected, margin=torch.tensor([0.5, 0.0, 1.0]))
     assert margin.tolist() == pytest.approx([0.4740770, 1.3132617, 1.3132617], abs=1e-6)
     # centring 0.01 * (r_c + r_r)^2: sums 3, 2, -2 -> + 0.09, 0.04, 0.04
-    both = rm.preference_loss(chosen, rejected, margin=torch.tensor([0.5, 0.0, 1.0]), center_coef=0.01)
+    both = rm.bradley_terry_loss(chosen, rejected, margin=torch.tensor([0.5, 0.0, 1.0]), center_coef=0.01)
     assert both.tolist() == pytest.approx([0.5640770, 1.3532617, 1.3532617], abs=1e-6)
     # gradient of the plain loss w.r.t. r_c is -sigmoid(-d): -0.2689414 at d = 1
     c = chosen.clone().requires_grad_()
-    rm.preference_loss(c, rejected)[0].backward()
+    rm.bradley_terry_loss(c, rejected)[0].backward()
     assert c.grad.tolist() == pytest.approx([-0.2689414, 0.0, 0.0], abs=1e-6)
 
 
@@ -121,18 +121,18 @@ def test_davidson_ties_hand_computed():
     counts and its pair does not count towards the accuracy."""
     chosen, rejected = torch.tensor([2.0, 0.5, -1.0, 2.0]), torch.tensor([1.0, 1.5, -1.0, 1.0])
     tie = torch.tensor([False, False, False, True])
-    assert rm.preference_loss(chosen, rejected, tie=tie, nu=1.0).tolist() == pytest.approx(
+    assert rm.bradley_terry_loss(chosen, rejected, tie=tie, nu=1.0).tolist() == pytest.approx(
         [0.6802697, 1.6802697, 1.0986123, 1.1802697], abs=1e-6)  # the tie at d = 1 costs -log(e^1.5 / 11.0)
-    assert rm.preference_loss(chosen, rejected, tie=tie, nu=0.5).tolist()[::3] == pytest.approx(
+    assert rm.bradley_terry_loss(chosen, rejected, tie=tie, nu=0.5).tolist()[::3] == pytest.approx(
         [0.5135089, 1.7066561], abs=1e-6)
-    assert rm.preference_loss(chosen, rejected, tie=tie, nu=0.0).tolist() == pytest.approx(
-        rm.preference_loss(chosen, rejected).tolist())  # nu = 0: no tie term, Bradley-Terry
+    assert rm.bradley_terry_loss(chosen, rejected, tie=tie, nu=0.0).tolist() == pytest.approx(
+        rm.bradley_terry_loss(chosen, rejected).tolist())  # nu = 0: no tie term, Bradley-Terry
     # gradients w.r.t. r_c at d = 1: a win -(e^-1 + e^-0.5 / 2) / (1 + e^-1 + e^-0.5), a tie sinh(1/2) / (2 cosh(1/2) + 1)
     c = chosen.clone().requires_grad_()
-    rm.preference_loss(c, rejected, tie=tie, nu=1.0)[[0, 3]].sum().backward()
+    rm.bradley_terry_loss(c, rejected, tie=tie, nu=1.0)[[0, 3]].sum().backward()
     assert c.grad[[0, 3]].tolist() == pytest.approx([-0.3399217, 0.1600783], abs=1e-6)  # the tie pulls d back to 0
     assert rm.tied_pairs([1.0, -0.5, 1.0, -0.5, 2.0], ["a", "b", "c", "b", "d"]) == [(0, 2)]  # 1, 3: the same text
-    # one step on two pairs, a preference (d = 1) and a tie (d = 1), through collate_pairs and a stand-in scorer
+    # one step on two pairs, a preference (d = 1) and a tie (d = 1), through plain rows and a stand-in scorer
     tok = AutoTokenizer.from_pretrained(ROOT / "models" / "tiny-arith")
     texts = [tok(x)["input_ids"] for x in ("1+1=2", "1+1=3", "2+2=4", "2+2=5")]
     table = torch.nn.Parameter(torch.zeros(tok.vocab_size))
@@ -186,7 +186,7 @@ def test_comparisons_with_ties_write_and_train_them(tmp_path, capsys):
     assert {r["tie"] for r in rows} == {False, True}
     assert all("tie" not in r for r in read_jsonl(run / "comparisons_test.jsonl"))
     for r in rows:
-        right = [rm.answer_matches(r[c], r["answer"]) for c in ("chosen", "rejected")]
+        right = [answers_match(extract_answer(r[c]), r["answer"]) for c in ("chosen", "rejected")]
         assert r["chosen"] != r["rejected"] and (right[0] == right[1] if r["tie"] else right == [True, False])
     for key in {r["ranking"] for r in rows}:  # at most C(4, 2) pairs, every two different texts among them
         mine = [{r["chosen"], r["rejected"]} for r in rows if r["ranking"] == key]
@@ -279,8 +279,8 @@ def test_micro_batches_are_length_sorted(tiny, monkeypatch):
     """4 packed pairs, 2 a micro-batch: the two short rows go together, then the two long ones (widths 3 and 8, not
     8 and 8 in the drawn order). That the sum of the micro-batches is the batch's update:
     test_micro_batches_give_the_same_update."""
-    model, original, widths = tiny_classifier(tiny, "qwen2").train(), rm.pack_pairs, []
-    monkeypatch.setattr(rm, "pack_pairs", lambda pairs, pad_id: widths.append(original(pairs, pad_id)[0].shape[1])
+    model, original, widths = tiny_classifier(tiny, "qwen2").train(), rm.pack_texts, []
+    monkeypatch.setattr(rm, "pack_texts", lambda pairs, pad_id: widths.append(original(pairs, pad_id)[0].shape[1])
                         or original(pairs, pad_id))
     pairs = [([5, 6, 7, 8, 9, 10, 11], [5, 6, 12], 0.0, False),  # packed: 7 + 1 tokens
              ([5, 6], [5, 7], 0.0, False),                       # 2 + 1
@@ -299,12 +299,11 @@ def test_pack_pairs_layout_hand_checked():
              ([5, 6], [5, 6, 7], 0.0),        # chosen is a prefix of rejected: row 5 6 7
              ([5, 6, 7], [5, 6], 0.0),        # rejected is a prefix of chosen: it ends inside the prefix
              ([4], [3, 2], 1.0)]              # nothing shared: row 4 3 2
-    ids, allowed, position_ids, ends, margins = rm.pack_pairs(pairs, pad_id=0)
+    ids, allowed, position_ids, ends = rm.pack_texts(pairs, pad_id=0)
     assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 0, 0], [5, 6, 7, 0, 0], [4, 3, 2, 0, 0]]
     assert position_ids[:, :3].tolist() == [[0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 0, 1]]
     assert position_ids[0].tolist() == [0, 1, 2, 3, 2]
     assert ends.tolist() == [[3, 4], [1, 2], [2, 1], [0, 2]]
-    assert margins.tolist() == [0.5, 0.0, 0.0, 1.0]
     seen = lambda b, q: [k for k in range(5) if allowed[b, q, k]]  # noqa: E731
     assert seen(0, 3) == [0, 1, 2, 3] and seen(0, 4) == [0, 1, 4]  # the tail 9 does not see 7 8
     assert seen(1, 2) == [0, 1, 2] and seen(3, 1) == [1] and seen(3, 2) == [1, 2]  # 3 2 do not see 4
@@ -323,21 +322,20 @@ def test_packed_pairs_give_the_scores_and_gradients_of_separate_sequences(tiny, 
     with torch.no_grad():
         alone = torch.tensor([[model.score(model.base_model(input_ids=torch.tensor([t])).last_hidden_state[0, -1])[0]
                                for t in (c, r)] for c, r, _ in pairs])
-        ids, allowed, position_ids, ends, _ = rm.pack_pairs(pairs, pad_id=0)
+        ids, allowed, position_ids, ends = rm.pack_texts(pairs, pad_id=0)
         packed = rm.PairScorer(model, packed=True)(ids, allowed, position_ids, ends)
     assert torch.allclose(packed, alone, atol=1e-5) and alone.std() > 1e-3
 
     def grads(packed: bool):
         model.zero_grad()
-        batch = rm.pack_pairs(pairs, 0)[:4] if packed else rm.collate_pairs(pairs, 0)[:2]
-        scores = rm.PairScorer(model, packed)(*batch)
-        rm.preference_loss(scores[:, 0], scores[:, 1], center_coef=0.1).mean().backward()
+        scores = rm.PairScorer(model, packed)(*rm.pair_batch(pairs, 0, packed, "cpu"))
+        rm.bradley_terry_loss(scores[:, 0], scores[:, 1], center_coef=0.1).mean().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain, packed_grads = grads(False), grads(True)
     assert plain.keys() == packed_grads.keys()
     assert all(torch.allclose(packed_grads[n], plain[n], atol=1e-6, rtol=1e-4) for n in plain)
-    assert rm.check_packing(model, pairs, 0, "cpu") is None
+    assert rm.check_packing(model, lambda p: rm.PairScorer(model, p)(*rm.pair_batch(pairs, 0, p, "cpu"))) is None
 
 
 def test_a_model_that_cannot_take_the_packed_mask_is_scored_unpacked(tiny, tmp_path, monkeypatch, capsys):
@@ -348,15 +346,15 @@ def test_a_model_that_cannot_take_the_packed_mask_is_scored_unpacked(tiny, tmp_p
         ids, allowed, *rest = PACK(pairs, pad_id)
         return (ids, torch.ones_like(allowed).tril(), *rest)
 
-    PACK = rm.pack_pairs
+    PACK = rm.pack_texts
     plain = rm.main(tiny_args(tiny, tmp_path / "plain", pack_pairs=False, eval_split=None))
     assert "packed in one row each" not in capsys.readouterr().out
-    monkeypatch.setattr(rm, "pack_pairs", ignore_the_mask)
-    why = rm.check_packing(AutoModelForSequenceClassification.from_pretrained(tiny / "model", num_labels=1),
-                           rm.tokenize_pairs(AutoTokenizer.from_pretrained(tiny / "model"), ["1+1=", "2+2="],
-                                             ["<answer>2</answer>"] * 2, ["<answer>3</answer>"] * 2, None, 64, "x")[0],
-                           0, "cpu")
-    assert why is not None and "differ from its plain scores" in why
+    monkeypatch.setattr(rm, "pack_texts", ignore_the_mask)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny / "model", num_labels=1)
+    pairs = rm.tokenize_pairs(AutoTokenizer.from_pretrained(tiny / "model"), ["1+1=", "2+2="],
+                              ["<answer>2</answer>"] * 2, ["<answer>3</answer>"] * 2, None, 64, "x")[0]
+    why = rm.check_packing(model, lambda p: rm.PairScorer(model, p)(*rm.pair_batch(pairs, 0, p, "cpu")))
+    assert why is not None and "differ from its plain ones" in why
     fallback = rm.main(tiny_args(tiny, tmp_path / "fallback", eval_split=None))
     assert "--pack-pairs: scoring chosen and rejected texts in rows of their own" in capsys.readouterr().out
     assert fallback["train/loss"] == plain["train/loss"] and fallback["train/grad_norm"] == plain["train/grad_norm"]
@@ -487,7 +485,7 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path):
     assert pairs and {p["k"] for p in pairs} == {4} and {p["ranking"] for p in pairs} <= set(range(24))
     for p in pairs:
         assert p["prompt"] == train[p["ranking"]]["prompt"] and p["answer"] == train[p["ranking"]]["answer"]
-        right = [rm.answer_matches(p[c], p["answer"]) for c in ("chosen", "rejected")]
+        right = [answers_match(extract_answer(p[c]), p["answer"]) for c in ("chosen", "rejected")]
         assert right[0] == right[1] if p["tie"] else right == [True, False]
     for key in {p["ranking"] for p in pairs}:  # c right and 4 - c wrong samples: c (4 - c) preferences
         assert sum(p["ranking"] == key and not p["tie"] for p in pairs) in (0, 3, 4)
@@ -498,7 +496,7 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path):
     assert spec == {"type": "reward_model", "model": str((run / "final").resolve()), "normalize": True}
     out = ppo.main(ppo.Args(model_name_or_path=policy, reward=str(run / "final" / "reward.json"),
                             gold_reward="correctness", num_generations=4, prompts_per_step=2,
-                            center_scores_per_prompt=True, value_model_layers=1, sampler_logprobs=True,
+                            center_scores_per_prompt=True, value_model_layers=1,
                             micro_batch_size=4, output_dir=str(tmp_path / "ppo"), total_steps=2, pause_at_step=1,
                             eval_split=None, warmup_steps=0))
     paused = Path(out["run_dir"]) / "checkpoints" / "step_1"
@@ -603,15 +601,16 @@ GOOD = {"prompt": "1+1=", "chosen": "<answer>2</answer>", "rejected": "<answer>3
 
 
 @pytest.mark.parametrize("rows,overrides,message", [
-    ([GOOD, {"prompt": "2+2=", "chosen": "4"}], {}, r"prefs.jsonl, line 2: has no column \['rejected'\]"),
+    ([GOOD, {"prompt": "2+2=", "chosen": "4"}], {}, r"prefs.jsonl, line 2: no column \['rejected'\]"),
     ([GOOD, {**GOOD, "rejected": GOOD["chosen"]}], {}, r"prefs.jsonl, line 2: 'chosen' and 'rejected' are the same text"),
-    ([GOOD], {"margin_column": "margin"}, r"line 1: has no column \['margin'\]"),
+    ([GOOD], {"margin_column": "margin"}, r"split 'prefs' has no column \['margin'\]"),
+    ([GOOD, {**GOOD, "margin": 1.0}], {"margin_column": "margin"}, r"prefs.jsonl, line 1: no column \['margin'\]"),
     ([{**GOOD, "margin": "big"}], {"margin_column": "margin"}, r"line 1: margin 'margin' is 'big', not a number"),
     ([GOOD], {"chosen_column": "good"}, r"has no column \['good'\].*--chosen-column"),
-    ([GOOD], {"ranking_column": "ranking"}, r"line 1: has no column \['ranking', 'k'\]"),
-    ([GOOD], {"comparisons": 4}, r"line 1: has no column \['answer'\] that --comparisons needs"),
+    ([GOOD], {"ranking_column": "ranking"}, r"split 'prefs' has no column \['ranking', 'k'\]"),
+    ([GOOD], {"comparisons": 4}, r"split 'prefs' has no column \['answer'\]"),
     ([{**GOOD, "ranking": 0, "k": 1}], {"ranking_column": "ranking"}, r"row 0: ranking size k=1"),
-    ([GOOD], {"tie_strength": 1.0}, r"line 1: has no column \['tie'\]"),
+    ([GOOD], {"tie_strength": 1.0}, r"split 'prefs' has no column \['tie'\]"),
     ([{**GOOD, "tie": True}], {"tie_strength": 1.0}, r"every row is a tie \(column `tie` true\), which orders nothing"),
     ([{**GOOD, "tie": "yes"}], {"tie_strength": 1.0}, r"line 1: 'tie' is 'yes': it must be true \(a tie\) or false"),
     ([{**GOOD, "ranking": 0, "k": 2}, {**GOOD, "chosen": "2", "ranking": 0, "k": 2}], {"ranking_column": "ranking"},
@@ -627,7 +626,7 @@ def test_bad_data_fails_before_any_work(tiny, tmp_path, rows, overrides, message
 def test_comparisons_check_the_eval_split_for_the_labelers_columns_first(tiny, tmp_path):
     data = write_prefs(tmp_path / "data", [GOOD])  # held-out pairs without an answer: their prompts cannot be labeled
     (data / "train.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    with pytest.raises(ValueError, match=r"prefs.jsonl, line 1: has no column \['answer'\] that --comparisons needs"):
+    with pytest.raises(ValueError, match=r"split 'prefs' has no column \['answer'\]"):
         rm.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), dataset_split="train", eval_split="prefs",
                           comparisons=2))
     assert not (tmp_path / "out").exists()
@@ -693,7 +692,7 @@ def test_packed_padding_keeps_position_ids_within_a_learned_position_table(tiny)
     model = GPT2ForSequenceClassification(GPT2Config(vocab_size=103, n_embd=32, n_layer=2, n_head=2, n_positions=8,
                                                      pad_token_id=0, eos_token_id=1, num_labels=1)).eval()
     pairs = [([5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27], 0.0), ([5, 6], [5, 7], 0.0)]
-    ids, allowed, position_ids, ends, _ = rm.pack_pairs(pairs, pad_id=0)
+    ids, allowed, position_ids, ends = rm.pack_texts(pairs, pad_id=0)
     assert int(position_ids.max()) < 8
     with torch.no_grad():
         packed = rm.PairScorer(model, packed=True)(ids, allowed, position_ids, ends)

@@ -6,6 +6,7 @@ import math
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,23 +74,20 @@ def test_answer_matches(text, answer, ok):
 # ----------------------------------------------------------------------------- runs
 
 
-def test_batches_epochs_skip_the_tail_and_resume():
-    batches = sft.Batches(n=10, size=4, seed=0)
-    first = batches.next() + batches.next()
-    assert len(set(first)) == 8  # one epoch: no index twice
-    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batches.state().items()}
-    third = batches.next()  # 2 left in the epoch < 4: a new epoch starts
-    assert batches.cursor == 4 and sorted(batches.order.tolist()) == list(range(10))
-    again = sft.Batches(n=10, size=4, seed=99)
-    again.load(state)
-    assert again.next() == third and again.next() == batches.next()
+def test_batch_indices_epochs_skip_the_tail():
+    draw = [sft.batch_indices(step, n=10, size=4, seed=0) for step in range(1, 6)]
+    assert all(len(b) == 4 for b in draw)
+    assert len(set(draw[0] + draw[1])) == 8  # one epoch: no index twice
+    assert len(set(draw[2] + draw[3])) == 8  # 2 left in the first epoch < 4: step 3 starts the second
+    assert draw[0] + draw[1] != draw[2] + draw[3] and draw[4] == sft.batch_indices(5, n=10, size=4, seed=0)
+    assert draw[0] == torch.randperm(10, generator=torch.Generator().manual_seed(0))[:4].tolist()
 
 
 def test_gradient_accumulation_gives_the_one_batch_update(tiny):
     """The loss is the token mean over the whole step: 4 micro-batches of 2 make the update one batch of 8 makes."""
     tok = AutoTokenizer.from_pretrained(tiny / "model")
     rows = [json.loads(line) for line in (tiny / "data" / "sft.jsonl").read_text().splitlines()[:8]]
-    batch = sft.make_examples(tok, [r["prompt"] for r in rows], [r["completion"] for r in rows], 64, packing=False)
+    batch = sft.make_examples(tok, [r["prompt"] for r in rows], [r["completion"] for r in rows], sft.Args(batch_size=8))
     assert len({len(ids) for ids, _ in batch}) > 1  # padding differs between micro-batches and the whole batch
     flat = lambda model: torch.cat([p.detach().flatten() for p in model.parameters()])  # noqa: E731
     start, weights, losses = flat(AutoModelForCausalLM.from_pretrained(tiny / "model")), [], []
@@ -97,8 +95,9 @@ def test_gradient_accumulation_gives_the_one_batch_update(tiny):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(tiny / "model")
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        nll, n_tokens, _ = sft.sft_update(model, optimizer, batch, sft.Args(gradient_accumulation_steps=accum),
-                                          8 // accum, 0, 1, tok.pad_token_id, torch.device("cpu"), torch.enable_grad())
+        run = SimpleNamespace(rank=0, world=1, device=torch.device("cpu"))
+        nll, n_tokens, _ = sft.sft_update(model, optimizer, batch, 8 // accum, sft.Args(gradient_accumulation_steps=accum),
+                                          run, tok.pad_token_id, torch.enable_grad())
         losses.append(nll / n_tokens)
         weights.append(flat(model))
     assert n_tokens == sum(sum(t != -100 for t in labels[1:]) for _, labels in batch)
@@ -164,8 +163,8 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     (dict(completion_column="response"), "split 'sft' has no column ['response']; available columns: "
                                          "['prompt', 'answer', 'completion']"),
     (dict(max_length=4), "prompts are longer than --max-length 4"),
-    (dict(batch_size=6, gradient_accumulation_steps=4), "--batch-size 6 is not divisible by processes (1) x "
-                                                         "--gradient-accumulation-steps (4) = 4: use --batch-size 4"),
+    (dict(batch_size=6, gradient_accumulation_steps=4), "--batch-size 6 is not divisible by processes x "
+                                                         "--gradient-accumulation-steps = 4: use --batch-size 4"),
     (dict(model_config="models/nope.json"), "--model-config models/nope.json is not a file"),
     (dict(tokenizer_name_or_path=str(ROOT / "data/arith")), "data/arith: no tokenizer (tokenizer.json"),
     (dict(tokenizer_name_or_path="/no/such/tokenizer"), "model '/no/such/tokenizer' does not exist"),
@@ -187,12 +186,14 @@ def test_a_fresh_model_needs_no_model_folder_only_a_tokenizer(tiny, tmp_path):
 
 
 def test_missing_eval_column_is_named(tiny, tmp_path):
-    data = write_rows(tmp_path / "d", [{"prompt": "1+1=", "completion": "<answer>2</answer>"}] * 4)
+    data = write_rows(tmp_path / "d", [{"prompt": "1+1=", "completion": "<answer>2</answer>"}] * 8)
     with pytest.raises(ValueError, match=r"split 'test' has no column \['answer'\]"):
         sft.main(tiny_args(tiny, tmp_path, dataset=str(data)))
 
 
-def test_packing_that_fills_no_row_is_refused(tiny, tmp_path):
-    data = write_rows(tmp_path / "d", [{"prompt": "1+1=", "completion": "<answer>2</answer>", "answer": "2"}])
-    with pytest.raises(ValueError, match="--packing: the data fills no row of --max-length 64"):
-        sft.main(tiny_args(tiny, tmp_path, dataset=str(data), packing=True))
+@pytest.mark.parametrize("packing,message", [(True, r"0 training rows \(packed\) < --batch-size 8"),
+                                             (False, "4 training rows < --batch-size 8")])
+def test_fewer_rows_than_a_batch_are_refused(tiny, tmp_path, packing, message):
+    data = write_rows(tmp_path / "d", [{"prompt": "1+1=", "completion": "<answer>2</answer>", "answer": "2"}] * 4)
+    with pytest.raises(ValueError, match=message):
+        sft.main(tiny_args(tiny, tmp_path, dataset=str(data), packing=packing))

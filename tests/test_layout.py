@@ -1,0 +1,91 @@
+"""The layout every script keeps (DESIGN.md, "Skeleton"): size budgets that only go down, the plumbing last, only the
+functions a script calls, and one text for one name across the scripts."""
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ["grpo", "ppo", "dpo", "hybrid", "reward_model", "sft", "capacity_ppo"]
+# (file bytes, bytes above the `# ---- plumbing` line, lines of main()). A ratchet: lower a number when a change
+# makes the script smaller; never raise one. A feature that needs bytes takes them from elsewhere in the same file.
+BUDGETS = {
+    "grpo": (83_773, 48_450, 176),
+    "ppo": (93_490, 57_900, 183),
+    "dpo": (72_025, 40_700, 162),
+    "hybrid": (106_883, 71_300, 189),
+    "reward_model": (81_214, 49_100, 160),
+    "sft": (50_194, 20_100, 110),
+    "capacity_ppo": (38_300, 28_800, 67),
+}
+PER_SCRIPT = {"Args", "main", "check_args"}  # each script's own by nature
+# Same name, different text on purpose: name -> why.
+DIFFERENT = {}
+
+
+def parts(script: str) -> tuple[str, str, ast.Module]:
+    text = (ROOT / f"{script}.py").read_text()
+    marker = [m.start() for m in re.finditer(r"^# ---- plumbing", text, re.M)]
+    assert len(marker) == 1, f"{script}.py needs exactly one line beginning '# ---- plumbing'"
+    return text, text[: marker[0]], ast.parse(text)
+
+
+def top_level(tree: ast.Module) -> dict[str, ast.AST]:
+    return {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def source(text: str, node: ast.AST) -> str:
+    lines = text.splitlines(keepends=True)
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return "".join(lines[first - 1 : node.end_lineno])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_size_budgets(script):
+    text, above, tree = parts(script)
+    main = top_level(tree)["main"]
+    size = (len(text.encode()), len(above.encode()), main.end_lineno - main.lineno + 1)
+    budget = BUDGETS[script]
+    over = [f"{what} {got:,} > {most:,}" for what, got, most in zip(("file bytes", "bytes above the plumbing line",
+                                                                     "main() lines"), size, budget) if got > most]
+    assert not over, f"{script}.py is over its budget: {', '.join(over)}. Take the bytes from elsewhere in the file."
+    long = [i for i, line in enumerate(text.splitlines(), 1) if len(line) > 120]
+    assert not long, f"{script}.py has lines over 120 columns: {long[:10]}"
+
+
+def test_the_readme_states_each_budget():
+    readme = (ROOT / "README.md").read_text()
+    for script, budget in BUDGETS.items():
+        row = [line for line in readme.splitlines() if line.startswith(f"| `{script}.py` |") and "budget" not in line]
+        cells = [c.strip().replace(",", "") for c in row[-1].split("|")[2:-1]] if row else []
+        assert [str(b) for b in budget] == cells[1::2], f"README's size row for {script}.py: {cells}, budgets {budget}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_skeleton_order_and_only_what_the_script_calls(script):
+    text, above, tree = parts(script)
+    defs = top_level(tree)
+    marker_line = above.count("\n") + 1
+    assert defs["main"].lineno < marker_line, "main() comes before the plumbing"
+    if "check_args" in defs:
+        assert defs["check_args"].lineno > defs["main"].lineno, "check_args goes below main()"
+    assert text.rstrip().endswith('if __name__ == "__main__":\n    command_line(Args, main)') or text.rstrip().endswith(
+        'if __name__ == "__main__":\n    main(tyro.cli(Args))'), "the file ends with the __main__ guard"
+    assert "matplotlib" not in text, "plotting is plot.py's"
+    for name, node in defs.items():
+        inside = {id(n) for n in ast.walk(node)}
+        used = any(isinstance(n, ast.Name) and n.id == name and id(n) not in inside for n in ast.walk(tree))
+        assert used or name == "main", f"{script}.py defines {name} but never calls it: a script carries only what it uses"
+
+
+def test_one_name_one_text_across_the_scripts():
+    texts: dict[str, dict[str, str]] = {}
+    for script in SCRIPTS:
+        text, _, tree = parts(script)
+        for name, node in top_level(tree).items():
+            texts.setdefault(name, {})[script] = source(text, node)
+    differ = {name: sorted(by) for name, by in texts.items()
+              if len(by) > 1 and len(set(by.values())) > 1 and name not in PER_SCRIPT | set(DIFFERENT)}
+    assert not differ, f"same name, different text (make them one, or name them for what differs): {differ}"
+    assert set(DIFFERENT) <= set(texts), "DIFFERENT lists a name no script has any more"
