@@ -1,7 +1,6 @@
-"""Direct Preference Optimization (DPO) and its family: cDPO, SLiC hinge, IPO, robust DPO, SimPO, RPO.
+"""DPO and its family: cDPO, SLiC hinge, IPO, robust DPO, SimPO, RPO, on preference pairs (x, y_w, y_l).
 
-DPO (arXiv:2305.18290, Eq. 7) trains the policy on preference pairs (x, y_w, y_l) with the implicit reward
-r(x, y) = beta log pi(y|x) / pi_ref(y|x), log-probs summed over the completion's tokens:
+DPO (arXiv:2305.18290, Eq. 7), log-probs summed over the completion's tokens:
     L = -log sigmoid(beta d),   d = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x)).
 `--loss-type`: sigmoid (DPO; cDPO with --label-smoothing), hinge (SLiC-HF, arXiv:2305.10425), ipo (arXiv:2310.12036),
 robust (arXiv:2403.00409), simpo (arXiv:2405.14734, no reference). `--rpo-alpha a` adds a times the chosen
@@ -16,20 +15,16 @@ Run:
     torchrun --nproc-per-node 2 dpo.py                          # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/dpo.md):
-- Default `--rpo-alpha 1`: plain offline DPO lowers tiny-arith's greedy accuracy (likelihood displacement,
-  arXiv:2410.08847); the RPO term keeps log pi(y_w) rising while the DPO term still separates the pairs.
-- Chosen and rejected go through the policy in one row per pair that holds their shared prefix once (`--pack-pairs`,
-  arXiv:2410.20305), checked at start against the plain pass, which is used instead if a model fails.
-- Completion log-probs come from the last hidden states and the lm_head: the [B, T, V] logits never exist.
+- `--rpo-alpha 1` by default: plain DPO lowers tiny-arith's accuracy (likelihood displacement, arXiv:2410.08847).
+- One row per pair, the shared prefix once (`--pack-pairs`, arXiv:2410.20305), checked at start against plain rows.
+- Log-probs come from the last hidden states and the lm_head: the [B, T, V] logits never exist.
 - Completions are tokenised alone + EOS; long prompts keep their last tokens, long completions lose their end.
-- The reference is loaded again (with LoRA: the policy without adapters; with --precompute-ref-logps: the policy's
-  log-probs before any step); held-out pairs' reference log-probs are always precomputed.
-- The loss is averaged over the step's pairs; rewards/* are beta times the log-ratios the loss uses;
-  eval/pref_accuracy counts ties as wrong (0 at step 0). Dropout is off.
+- Dropout is off; eval/pref_accuracy counts ties as wrong (0 at step 0).
 """
 
 import contextlib
 import copy
+import importlib.util
 import json
 import math
 import os
@@ -40,6 +35,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -60,33 +56,33 @@ from kernels import linear_token_logprobs
 class Args:
     # --- algorithm
     loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "simpo"] = "sigmoid"
-    """DPO (+cDPO), SLiC hinge, IPO, robust DPO or SimPO (module docstring)"""
+    """DPO (+cDPO), SLiC hinge, IPO, robust DPO or SimPO"""
     beta: float = 0.1
-    """inverse temperature of the implicit reward beta log pi/pi_ref (IPO: its tau; SimPO: its beta, ~2)"""
+    """inverse temperature of the implicit reward beta log pi/pi_ref (IPO: tau; SimPO: ~2)"""
     label_smoothing: float = 0.0
-    """sigmoid (cDPO) and simpo: in [0, 0.5]; robust: the label-flip rate in [0, 0.5); others: 0"""
+    """sigmoid (cDPO), simpo: in [0, 0.5]; robust: the label-flip rate in [0, 0.5); others: 0"""
     simpo_gamma: float = 0.5
-    """SimPO's target reward margin gamma (Eq. 6 of arXiv:2405.14734); only with --loss-type simpo"""
+    """SimPO's target reward margin gamma (Eq. 6 of arXiv:2405.14734)"""
     ipo_logps: Literal["mean", "sum"] = "mean"
     """IPO's log-ratios: averaged over completion tokens (TRL) or summed (Eq. 17 as written)"""
     rpo_alpha: float = 1.0
-    """weight of the chosen completion's length-normalised NLL added to the loss (RPO; 0: off)"""
+    """weight of the chosen completion's per-token NLL in the loss (RPO; 0: off)"""
     precompute_ref_logps: bool = False
-    """compute the reference log-probs of every training pair once before training: no reference model in memory"""
+    """reference log-probs of the training pairs computed once: no reference model"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM (and its tokenizer); also the reference model"""
+    """local folder or Hugging Face id of the policy (and reference) and its tokenizer"""
     dataset: str = "data/arith"
     """local folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "prefs"
-    """split with the training pairs (prompt, chosen, rejected)"""
+    """split with the training pairs"""
     eval_split: Optional[str] = "test"
-    """split with prompts and reference answers for greedy-decoding accuracy (None: no eval)"""
+    """split with prompts and answers for greedy accuracy (None: none)"""
     pref_eval_split: Optional[str] = "prefs_test"
-    """split with held-out pairs for the implicit-reward accuracy eval/pref_accuracy (None: none)"""
+    """split with held-out pairs for eval/pref_accuracy (None: none)"""
     prompt_column: str = "prompt"
-    """column holding the prompt (a string, or a list of chat messages with --use-chat-template)"""
+    """column holding the prompt (text, or chat messages)"""
     chosen_column: str = "chosen"
     """column holding the preferred completion"""
     rejected_column: str = "rejected"
@@ -94,19 +90,19 @@ class Args:
     answer_column: str = "answer"
     """column of --eval-split holding the reference answer"""
     use_chat_template: bool = False
-    """wrap each prompt in the tokenizer's chat template (instruct models)"""
+    """wrap each prompt in the tokenizer's chat template"""
     max_prompt_length: int = 256
-    """prompts longer than this many tokens keep their last tokens"""
+    """longer prompts keep their last tokens"""
     max_completion_length: int = 40
-    """completions (with their EOS) longer than this many tokens lose their end; also the greedy eval's budget"""
+    """longer completions (with EOS) lose their end; also the greedy eval's"""
     eval_limit: int = 500
-    """evaluate greedy accuracy on at most this many eval examples"""
+    """greedy accuracy on at most this many eval prompts"""
     pref_eval_limit: int = 500
-    """evaluate the implicit-reward accuracy on at most this many held-out pairs"""
+    """eval/pref_accuracy on at most this many held-out pairs"""
     lora_r: int = 0
-    """rank of LoRA adapters on every linear layer (0: train all weights); needs `pip install peft`"""
+    """rank of LoRA adapters on every linear layer (0: no LoRA); needs peft"""
     lora_alpha: float = 32.0
-    """LoRA scaling numerator (the update is scaled by alpha / r)"""
+    """LoRA's alpha (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
 
@@ -114,13 +110,13 @@ class Args:
     batch_size: int = 32
     """preference pairs per optimiser step (over all processes)"""
     micro_batch_size: int = 0
-    """pairs per forward/backward pass, gradients accumulated over the batch (0: largest divisor up to 64)"""
+    """pairs per forward/backward pass (0: the largest divisor up to 64)"""
     learning_rate: float = 5e-4
     """peak learning rate of AdamW"""
     total_steps: int = 300
-    """optimiser steps; may change on --resume (the lr decay then ends at the new last step)"""
+    """optimiser steps; may change on --resume"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """after warmup: cosine or linear decay to 0 at the last step, or constant"""
+    """after warmup: decay to 0, or constant"""
     warmup_steps: int = 10
     """linear warmup steps"""
     weight_decay: float = 0.0
@@ -130,29 +126,29 @@ class Args:
 
     # --- logging / checkpointing
     log_every: int = 1
-    """steps between rows of metrics.jsonl (and printed lines when the output is not a terminal)"""
+    """steps between rows of metrics.jsonl"""
     eval_every: int = 50
     """steps between evaluations (0: only at start and end)"""
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
+    """runs/<run>/checkpoints/step_N to continue"""
 
     # --- engineering / experiment
     pack_pairs: bool = True
-    """one row per pair holding the prompt and the completions' common start once (plain rows if a model fails)"""
+    """one row per pair, the shared prefix once (plain rows if the model fails a check)"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """recompute activations in the backward pass"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
+    """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
+    """under torchrun, shard weights, gradients and AdamW states (FSDP2), not DDP"""
     exp_name: str = "dpo"
-    """name of this experiment, part of the run directory name"""
+    """part of the run directory's name"""
     seed: int = 1
-    """seed of python, numpy and torch, and of the data order"""
+    """seed of every RNG and of the data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
@@ -171,15 +167,12 @@ class Args:
 def pair_logratios(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: Optional[torch.Tensor],
                    ref_rejected: Optional[torch.Tensor], chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
                    loss_type: str, ipo_logps: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
-    """The two terms whose difference is d, one per completion: all inputs [B] -> (chosen [B], rejected [B]).
-
-    log pi(y|x) - log pi_ref(y|x) summed over the completion's tokens (Eq. 7 of arXiv:2305.18290);
-    ipo with ipo_logps "mean": divided by the completion's token count (as TRL);
-    simpo: log pi(y|x) / |y|, no reference (Eq. 6 of arXiv:2405.14734; ref_* are ignored and may be None).
-    """
+    """d's two terms, all [B] -> (chosen [B], rejected [B]): log pi(y|x) - log pi_ref(y|x) (Eq. 7 of arXiv:2305.18290);
+    ipo with "mean": per token (TRL); simpo: log pi(y|x) / |y| (Eq. 6 of arXiv:2405.14734; ref_* may be None)."""
     if loss_type == "simpo":
         return policy_chosen / chosen_tokens, policy_rejected / rejected_tokens
-    chosen, rejected = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    chosen = policy_chosen - ref_chosen
+    rejected = policy_rejected - ref_rejected
     if loss_type == "ipo" and ipo_logps == "mean":
         return chosen / chosen_tokens, rejected / rejected_tokens
     return chosen, rejected
@@ -187,9 +180,10 @@ def pair_logratios(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, r
 
 def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, loss_type: str, beta: float,
              label_smoothing: float = 0.0, simpo_gamma: float = 0.0) -> torch.Tensor:
-    """Per-pair loss from the terms of pair_logratios: chosen, rejected [B] -> loss [B]; d = chosen - rejected."""
-    d, eps = chosen - rejected, label_smoothing
-    if loss_type == "hinge":  # SLiC-HF's calibration loss (arXiv:2305.10425) on the log-ratio, margin 1 / beta
+    """Per-pair loss from pair_logratios' terms: chosen, rejected [B] -> loss [B]; d = chosen - rejected."""
+    d = chosen - rejected
+    eps = label_smoothing
+    if loss_type == "hinge":  # SLiC-HF's calibration loss (arXiv:2305.10425), margin 1 / beta
         return torch.relu(1 - beta * d)
     if loss_type == "ipo":  # Eq. 17 of arXiv:2310.12036 (beta is its tau)
         return (d - 1 / (2 * beta)) ** 2
@@ -202,14 +196,10 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, loss_type: str, beta:
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       completion_mask: torch.Tensor) -> torch.Tensor:
-    """Each row's completion log-prob, log pi(y|x) summed over its tokens, never holding the [B, T, V] logits.
-
-    input_ids, attention_mask, completion_mask: [B, T], right-padded prompt + completion; completion_mask is 1 on
-    completion tokens -> [B] float32. Hidden state t predicts token t + 1; only the positions that predict a
-    completion token go through the lm_head (kernels.linear_token_logprobs with lm_head's transforms).
-    """
+    """Each row's completion log-prob log pi(y|x): [B, T] right-padded ids, attention and completion masks -> [B]
+    float32. Only the positions that predict a completion token go through the lm_head: no [B, T, V] logits."""
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    predicts = completion_mask[:, 1:].bool()
+    predicts = completion_mask[:, 1:].bool()  # hidden state t predicts token t + 1
     logp = linear_token_logprobs(hidden[:, :-1][predicts], targets=input_ids[:, 1:][predicts],
                                  **lm_head(model, hidden.dtype))
     rows = predicts.nonzero()[:, 0]
@@ -217,8 +207,8 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, owners) -> torch.Tensor:
-    """`sequence_logprobs` of `pack_completions` rows -> [2B] float32: the B chosen then the B rejected completions'
-    summed log-probs. Each entry's token log-prob is computed once and counted for every sequence that owns it."""
+    """`sequence_logprobs` of `pack_completions` rows -> [2B] float32 (the B chosen, then the B rejected); a shared
+    token's log-prob is computed once and counted for both sequences."""
     mask = allowed[:, None]
     if model.config._attn_implementation != "sdpa":  # eager attention adds its mask to the logits
         dtype = model.get_output_embeddings().weight.dtype
@@ -231,15 +221,14 @@ def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, o
 
 
 def pair_logprobs(model, pairs: list, pad_id: int, packed: bool) -> torch.Tensor:
-    """(prompt, chosen, rejected) token lists -> [2B] float32 summed completion log-probs: the B chosen, then the B
-    rejected; one row per pair (packed) or one per sequence."""
+    """(prompt, chosen, rejected) token lists -> [2B] float32 summed log-probs, the B chosen then the B rejected."""
     batch = pack_completions(pairs, pad_id) if packed else collate_completions(pairs, pad_id)
     return (packed_logprobs if packed else sequence_logprobs)(model, *(t.to(model.device) for t in batch))
 
 
 def collate_completions(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int):
-    """(prompt, chosen, rejected) token lists -> ids, attention mask, completion mask, each [2B, T]: the B
-    prompt + chosen rows, then the B prompt + rejected rows, right-padded to the longest."""
+    """(prompt, chosen, rejected) token lists -> ids, attention mask, completion mask, each [2B, T] right-padded:
+    the B prompt + chosen rows, then the B prompt + rejected rows."""
     rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p + c) for p, c in rows], True, pad_id)
     col = torch.arange(ids.shape[1])
@@ -248,36 +237,10 @@ def collate_completions(pairs: list[tuple[list[int], list[int], list[int]]], pad
     return ids, (col < end).long(), ((col >= start) & (col < end)).long()
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """The number of leading tokens two token lists have in common."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
-    """Prefix sharing (arXiv:2410.20305): token lists (a, b) -> one row a + b[n:], n = shared_prefix(a, b). The tail
-    b[n:] attends to the shared prefix and to itself, not to a's tail, and its positions continue from the prefix,
-    so every token sees what it sees in its own sequence.
-    -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T], and [B, 1] each: where
-    b's tail starts (len(a)), n, the row's length."""
-    shared = [shared_prefix(a, b) for a, b in pairs]
-    rows = [a + b[n:] for (a, b), n in zip(pairs, shared)]
-    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], True, pad_id)
-    col = torch.arange(ids.shape[1])
-    split = torch.tensor([len(a) for a, _ in pairs])[:, None]
-    shared = torch.tensor(shared)[:, None]
-    length = torch.tensor([len(row) for row in rows])[:, None]
-    tail = col >= split  # [B, T]: b's tail (and the padding after it)
-    position_ids = torch.where(tail, col - split + shared, col).masked_fill(col >= length, 0)  # padding: in range
-    query, key = col[None, :, None], col[None, None, :]
-    allowed = (key <= query) & ~(tail[:, :, None] & (key >= shared[:, :, None]) & (key < split[:, :, None]))
-    return ids, allowed, position_ids, split, shared, length
-
-
 def pack_completions(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int):
     """`pack_pairs` of prompt + chosen and prompt + rejected -> (ids, allowed, position ids, columns [E], targets [E],
-    owners [2, K]): entry e is token targets[e] predicted by the hidden state at flat position columns[e]
-    (row * T + column); owners lists (sequence, entry): sequences 0..B-1 are the chosen completions, B..2B-1 the
-    rejected ones, and an entry of the shared part belongs to both."""
+    owners [2, K]): entry e is token targets[e], predicted by the hidden state at flat position columns[e] (row * T
+    + column); owners lists (sequence, entry), sequences 0..B-1 chosen, B..2B-1 rejected; a shared entry has both."""
     ids, allowed, position_ids, *_ = pack_pairs([(p + c, p + r) for p, c, r in pairs], pad_id)
     width, B = ids.shape[1], len(pairs)
     columns, targets, owners = [], [], []
@@ -294,10 +257,34 @@ def pack_completions(pairs: list[tuple[list[int], list[int], list[int]]], pad_id
     return ids, allowed, position_ids, torch.tensor(columns), torch.tensor(targets), torch.tensor(owners).T
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading tokens two token lists have in common."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
+    """Prefix sharing (arXiv:2410.20305): token lists (a, b) -> one row a + b[n:], n = shared_prefix(a, b). The tail
+    b[n:] attends to the prefix and to itself, not to a's tail, its positions going on from the prefix: every token
+    sees what it sees alone. -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T],
+    and [B, 1] each: where b's tail starts (len(a)), n, the row's length."""
+    shared = [shared_prefix(a, b) for a, b in pairs]
+    rows = [a + b[n:] for (a, b), n in zip(pairs, shared)]
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], True, pad_id)
+    col = torch.arange(ids.shape[1])
+    split = torch.tensor([len(a) for a, _ in pairs])[:, None]
+    shared = torch.tensor(shared)[:, None]
+    length = torch.tensor([len(row) for row in rows])[:, None]
+    tail = col >= split  # [B, T]: b's tail (and the padding after it)
+    position_ids = torch.where(tail, col - split + shared, col).masked_fill(col >= length, 0)  # padding: in range
+    query, key = col[None, :, None], col[None, None, :]
+    allowed = (key <= query) & ~(tail[:, :, None] & (key >= shared[:, :, None]) & (key < split[:, :, None]))
+    return ids, allowed, position_ids, split, shared, length
+
+
 @torch.no_grad()
 def check_packing(model, forward: Callable[[bool], torch.Tensor]) -> Optional[str]:
-    """forward(packed) of a few pairs, packed against plain, in eval mode -> why packing cannot be used with this
-    model (e.g. an attention implementation that ignores custom 4D masks), or None."""
+    """forward(packed) of a few pairs, packed against plain, in eval mode -> why this model cannot use packing (e.g.
+    an attention that ignores custom 4D masks), or None."""
     was_training = model.training
     model.eval()
     try:
@@ -313,12 +300,36 @@ def check_packing(model, forward: Callable[[bool], torch.Tensor]) -> Optional[st
     return None
 
 
-def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak learning rate: linear warmup, then cosine/linear decay to 0 or constant.
+def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
+    """--pack-pairs, unless the model fails `check_packing` (then rows of their own, with a notice)."""
+    if not run.args.pack_pairs:
+        return False
+    why_not = check_packing(model, forward)
+    if why_not:
+        run.say(f"--pack-pairs: chosen and rejected in rows of their own, as {why_not}")
+    return why_not is None
 
-    anchor (s0, f0): a run resumed at step s0 (after warmup) with a new `total`: the decay starts again from the
-    factor f0 it had reached and ends at 0 on the new last step, so the lr neither jumps nor stops early.
-    """
+
+def optimizer_and_schedule(args, run, trained, model, overrides: dict) -> tuple:
+    """AdamW on the trainable weights and lr_factor's schedule; on --resume the weights and both states -> (optimizer,
+    scheduler, anchor, trainer_state.pt's dict). anchor[0] is lr_factor's: a resumed run's new --total-steps."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    run.trained = (trained, optimizer)  # what --fsdp checkpoints in shards
+    anchor = [None]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, anchor[0]))
+    state = run.restore(model, optimizer, scheduler)
+    anchor[0] = state.get("lr_anchor")
+    if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
+        old_total = overrides["total_steps"][0]
+        anchor[0] = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, anchor[0]))
+    return optimizer, scheduler, anchor, state
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
+    at s0 with a new `total`, the decay goes on from f0 and ends at 0 on the new last step."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -326,18 +337,6 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
     start, scale = anchor if anchor is not None and anchor[0] >= warmup else (warmup, 1.0)
     progress = min(1.0, max(0, step - start) / max(1, total - start))
     return scale * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress)
-
-
-def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
-    """The prompts as text: as they are, or (chat models) wrapped in the tokenizer's chat template."""
-    if not use_chat_template:
-        if not isinstance(values[0], str):
-            raise ValueError(f"prompts in column '{column}' are chat messages: pass --use-chat-template")
-        return list(values)
-    if tokenizer.chat_template is None:
-        raise ValueError(f"--use-chat-template: the tokenizer of {tokenizer.name_or_path} has no chat template")
-    return [tokenizer.apply_chat_template([{"role": "user", "content": v}] if isinstance(v, str) else v,
-                                          tokenize=False, add_generation_prompt=True) for v in values]
 
 
 def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) -> Optional[str]:
@@ -391,6 +390,19 @@ class PairOrder:
         self.order, self.cursor = state["order"], int(state["cursor"])
 
 
+def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
+    """The prompts as text: as they are, or (chat models) wrapped in the tokenizer's chat template."""
+    if not use_chat_template:
+        if not isinstance(values[0], str):
+            raise ValueError(f"prompts in column '{column}' are chat messages: pass --use-chat-template")
+        return list(values)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"--use-chat-template: the tokenizer of {tokenizer.name_or_path} has no chat template")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": v}] if isinstance(v, str) else v,
+                                          tokenize=False, add_generation_prompt=True) for v in values]
+
+
+
 def tokenize_completions(tokenizer, ds, args: Args) -> list[tuple[list[int], list[int], list[int]]]:
     """Pairs as (prompt, chosen + EOS, rejected + EOS) token ids: a prompt keeps its last --max-prompt-length
     tokens, a completion its first --max-completion-length."""
@@ -412,8 +424,8 @@ def load_data(args: Args, tokenizer) -> tuple[list, list, list, list]:
     eval_pairs, prompts, answers = [], [], []
     if args.pref_eval_split:
         held_out = load_pairs(args, "pref_eval_split", columns)
-        eval_pairs = tokenize_completions(tokenizer, held_out.select(range(min(args.pref_eval_limit, len(held_out)))),
-                                          args)
+        held_out = held_out.select(range(min(args.pref_eval_limit, len(held_out))))
+        eval_pairs = tokenize_completions(tokenizer, held_out, args)
     if args.eval_split:
         ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
         ev = ev.select(range(min(args.eval_limit, len(ev))))
@@ -432,10 +444,11 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device):
 
 
 def load_models(args: Args, tokenizer, device: torch.device) -> tuple:
-    """The policy (with LoRA adapters: a PEFT model), the reference loaded again from the same weights and frozen (none
-    with LoRA: the policy without its adapters; --precompute-ref-logps; SimPO), the EOS ids."""
+    """The policy (with LoRA: a PEFT model), the frozen reference loaded again (None with LoRA, SimPO or
+    --precompute-ref-logps), the EOS ids."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, ref_model = load_model(args.model_name_or_path, dtype, device), None
+    model = load_model(args.model_name_or_path, dtype, device)
+    ref_model = None
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -450,9 +463,21 @@ def load_models(args: Args, tokenizer, device: torch.device) -> tuple:
 
 
 @torch.no_grad()
+def reference_logps(ref_model, model, pairs: list, rows: list[int], cache: Optional[torch.Tensor], pad_id: int,
+                    packed: bool, k: int, m: int) -> torch.Tensor:
+    """log pi_ref of pairs k..k+m-1 -> [2, m] (chosen, rejected): precomputed (cache [N, 2], rows: the pairs' indices
+    into it), the reference model's, or with LoRA the policy's without its adapters."""
+    if cache is not None:
+        return cache[rows[k : k + m]].T.to(model.device)
+    if ref_model is not None:
+        return ref_model(pairs[k : k + m], pad_id, packed).float().view(2, -1)
+    with model.disable_adapter():
+        return pair_logprobs(model, pairs[k : k + m], pad_id, packed).float().view(2, -1)
+
+
+@torch.no_grad()
 def pair_logps(model, pairs: list, pad_id: int, packed: bool, micro: int, autocast) -> torch.Tensor:
-    """The model's summed log-probs of every pair, in eval mode, micro-batch by micro-batch -> [N, 2] (chosen,
-    rejected), on the CPU."""
+    """The model's summed log-probs of every pair in eval mode -> [N, 2] (chosen, rejected) on the CPU."""
     model.eval()
     out = [torch.zeros(0, 2)]
     for i in range(0, len(pairs), micro):
@@ -463,8 +488,8 @@ def pair_logps(model, pairs: list, pad_id: int, packed: bool, micro: int, autoca
 
 
 def pref_metrics(logps: torch.Tensor, ref: Optional[torch.Tensor], pairs: list, args: Args) -> dict:
-    """Held-out pairs: the fraction whose implicit reward ranks chosen above rejected (ties are wrong), and the
-    policy's mean log-probs. logps, ref: [N, 2] (chosen, rejected); ref is None for simpo."""
+    """Held-out pairs: the fraction whose implicit reward ranks chosen first (ties are wrong), the policy's mean
+    log-probs. logps, ref: [N, 2] (chosen, rejected); ref is None for simpo."""
     tokens = torch.tensor([[len(c), len(r)] for _, c, r in pairs], dtype=torch.float32)
     ref = (None, None) if ref is None else ref.unbind(1)
     chosen, rejected = pair_logratios(logps[:, 0], logps[:, 1], *ref, tokens[:, 0], tokens[:, 1], args.loss_type,
@@ -474,12 +499,11 @@ def pref_metrics(logps: torch.Tensor, ref: Optional[torch.Tensor], pairs: list, 
 
 
 def dpo_update(policy, optimizer, pairs: list, args: Args, micro: int, world: int, pad_id: int, packed: bool,
-               reference: Optional[Callable], autocast) -> tuple[dict, torch.Tensor]:
-    """One optimiser step on this process's `pairs`: per micro-batch, chosen and rejected in one forward pass, the
-    reference's log-probs (reference(k, m) of pairs k..k+m -> [2, m]; None: simpo), the per-pair loss plus RPO's
-    NLL, summed over the step's pairs / --batch-size. -> (sums over pairs, grad norm)."""
-    sums = dict.fromkeys(("loss", "nll", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected", "tokens"),
-                         0.0)
+               reference: Optional[Callable], autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimiser step on this process's `pairs`: per micro-batch, the per-pair loss + RPO's NLL, summed /
+    --batch-size. reference(k, m): log pi_ref of pairs k..k+m-1 -> [2, m] (None: simpo). -> (sums [7] of
+    `dpo_metrics`' values over the pairs, grad norm)."""
+    sums = torch.zeros(7, dtype=torch.float64)
     ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
     for k in range(0, len(pairs), micro):
         some = pairs[k : k + micro]
@@ -494,27 +518,23 @@ def dpo_update(policy, optimizer, pairs: list, args: Args, micro: int, world: in
             per_pair = dpo_loss(chosen, rejected, args.loss_type, args.beta, args.label_smoothing,
                                 args.simpo_gamma) + args.rpo_alpha * nll
             (per_pair.sum() / args.batch_size * world).backward()  # DDP averages gradients over processes
-        chosen, rejected = args.beta * chosen, args.beta * rejected  # implicit rewards
-        for name, x in (("loss", per_pair), ("nll", nll), ("chosen", chosen), ("rejected", rejected),
-                        ("correct", (chosen > rejected).float()), ("logps_chosen", logp[0]),
-                        ("logps_rejected", logp[1])):
-            sums[name] += float(x.detach().sum())
-        sums["tokens"] += sum(2 * len(p) + len(c) + len(r) for p, c, r in some)
+        chosen = args.beta * chosen  # the implicit rewards
+        rejected = args.beta * rejected
+        stats = torch.stack([per_pair, nll, chosen, rejected, (chosen > rejected).float(), logp[0], logp[1]])
+        sums += stats.detach().sum(1).cpu()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return sums, grad_norm
 
 
-def dpo_metrics(run, sums: dict, batch_size: int) -> dict:
-    """This step's sums over the pairs of every process -> the logged means, under TRL's names: implicit rewards, their
-    margin and accuracy, the policy's log-probs (ipo, simpo: of the log-ratios those losses use)."""
-    total = run.gather(torch.tensor([list(sums.values())], dtype=torch.float64, device=run.device)).sum(0)
-    s = dict(zip(sums, (total / batch_size).tolist()))
-    return {"train/loss": s["loss"], "train/nll": s["nll"], "rewards/chosen": s["chosen"],
-            "rewards/rejected": s["rejected"], "rewards/margins": s["chosen"] - s["rejected"],
-            "rewards/accuracies": s["correct"], "logps/chosen": s["logps_chosen"],
-            "logps/rejected": s["logps_rejected"]}
+def dpo_metrics(run, sums: torch.Tensor, batch_size: int) -> dict:
+    """`dpo_update`'s sums over every process's pairs -> their means, under TRL's names."""
+    names = ("train/loss", "train/nll", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
+             "logps/rejected")
+    metrics = dict(zip(names, (run.gather(sums[None].to(run.device)).sum(0) / batch_size).tolist()))
+    metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return metrics
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "pref_eval_limit", "track",
@@ -522,12 +542,12 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "ev
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
-    #    up processes, device and seeds.
+    # 0. Check every input before any work (a resumed run takes its checkpoint's arguments); processes, device, seeds.
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     run = Run(args, overrides, shown=("train/loss", "rewards/margins", "eval/pref_accuracy", "eval/accuracy"))
-    device, world = run.device, run.world
+    device = run.device
+    world = run.world
 
     # 1. Data: the pairs, checked and tokenised once (prompt; completion + EOS), before any model loads.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -535,14 +555,9 @@ def main(args: Args) -> dict:
     pad_id = tokenizer.pad_token_id
     pairs, eval_pairs, eval_prompts, eval_answers = load_data(args, tokenizer)
 
-    # 2. Model: the policy and the reference (load_models); one row per pair if the model passes the check.
+    # 2. Model: the policy and the reference; one row per pair if the model passes the check.
     model, ref_model, eos_ids = load_models(args, tokenizer, device)
-    why_not_packed = None
-    if args.pack_pairs:
-        why_not_packed = check_packing(model, lambda packed: pair_logprobs(model, pairs[:8], pad_id, packed))
-    if why_not_packed:
-        run.say(f"--pack-pairs: running chosen and rejected in rows of their own, as {why_not_packed}")
-    packed = args.pack_pairs and not why_not_packed
+    packed = use_packing(run, model, lambda packed: pair_logprobs(model, pairs[:8], pad_id, packed))
     policy = Forward(pair_logprobs, model)
     ref_model = ref_model and Forward(pair_logprobs, ref_model)
     if run.fsdp:  # each decoder layer sharded over the processes, the reference too (FSDP2)
@@ -552,54 +567,31 @@ def main(args: Args) -> dict:
         policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda"
                                                            else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
-
-    # The reference's log-probs of the held-out pairs (and with --precompute-ref-logps of every training pair), once,
-    # from the policy itself: it holds the initial weights until section 3 loads a resumed run's.
+    # The reference's log-probs of the held-out pairs (and with --precompute-ref-logps of every training pair), from
+    # the policy: it holds the initial weights until section 3 loads a resumed run's.
     uses_ref = args.loss_type != "simpo"
     with run.whole():  # --fsdp: the model is called outside the sharded root's forward
         eval_ref = pair_logps(model, eval_pairs, pad_id, packed, micro, autocast) if uses_ref else None
         train_ref = pair_logps(model, pairs, pad_id, packed, micro, autocast) if args.precompute_ref_logps else None
 
-    @torch.no_grad()
-    def reference(k: int, m: int) -> torch.Tensor:  # of this step's pairs k..k+m-1 -> [2, m]
-        if train_ref is not None:
-            return train_ref[rows[k : k + m]].T.to(device)
-        if ref_model is not None:
-            return ref_model(mine[k : k + m], pad_id, packed).float().view(2, -1)
-        with model.disable_adapter():  # LoRA: the reference is the base model without adapters
-            return pair_logprobs(model, mine[k : k + m], pad_id, packed).float().view(2, -1)
-
     # 3. Optimiser, schedule and data order; on --resume the weights, then all their states.
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  betas=(0.9, 0.99), weight_decay=args.weight_decay)
-    run.trained = (policy, optimizer)  # what --fsdp checkpoints in shards
-    lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
+    optimizer, scheduler, lr_anchor, state = optimizer_and_schedule(args, run, policy, model, overrides)
     order = PairOrder(len(pairs), args.seed)
-    state = run.restore(model, optimizer, scheduler)
     if state:
         order.load(state)
-        lr_anchor = state["lr_anchor"]
-        if "total_steps" in overrides:  # the decay continues from where it is to the new last step
-            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
-                                              args.lr_schedule, lr_anchor))
 
-    def measure() -> tuple[dict, list]:
-        """The implicit-reward accuracy on the held-out pairs, and greedy accuracy on --eval-split."""
-        metrics, samples = {}, []
-        if eval_pairs:
-            logps = pair_logps(model, eval_pairs, pad_id, packed, micro, autocast)
-            metrics = pref_metrics(logps, eval_ref, eval_pairs, args)
-        if eval_prompts:
-            metrics["eval/accuracy"], samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers,
-                                                                args.max_completion_length, eos_ids,
-                                                                progress=run.progress)
+    def measure() -> tuple[dict, list]:  # implicit-reward accuracy on held-out pairs, greedy accuracy on --eval-split
+        logps = pair_logps(model, eval_pairs, pad_id, packed, micro, autocast)
+        metrics = pref_metrics(logps, eval_ref, eval_pairs, args) if eval_pairs else {}
+        if not eval_prompts:
+            return metrics, []
+        metrics["eval/accuracy"], samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers,
+                                                            args.max_completion_length, eos_ids, progress=run.progress)
         return metrics, samples
 
     def save() -> Path:
         return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
-                                                 "lr_anchor": lr_anchor, "scheduler": scheduler.state_dict(),
+                                                 "lr_anchor": lr_anchor[0], "scheduler": scheduler.state_dict(),
                                                  **order.state()}, per_rank={})
 
     # 4. Train.
@@ -607,7 +599,8 @@ def main(args: Args) -> dict:
     run.say(f"run directory: {run.dir}  |  {len(pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
             f"{len(eval_prompts)} eval prompts, {n_train / 1e6:.2f}M trainable parameters on {device}, "
             f"micro-batch {micro} pairs{' packed in one row each' if packed else ''}")
-    share, final, tokens, seconds, last_log = args.batch_size // world, {}, 0, 0.0, run.start
+    share = args.batch_size // world
+    final, tokens, seconds, last_log = {}, 0, 0.0, run.start
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
@@ -616,12 +609,13 @@ def main(args: Args) -> dict:
             mine = [pairs[i] for i in rows]
             # 4b. Per micro-batch: chosen and rejected in one forward pass, the reference's log-probs (cached or one
             #     no-grad pass), the per-pair loss (Eq. 7 or a variant) + RPO's NLL, averaged over the step's pairs.
+            reference = partial(reference_logps, ref_model, model, mine, rows, train_ref, pad_id, packed)
             sums, grad_norm = dpo_update(policy, optimizer, mine, args, micro, world, pad_id, packed,
                                          reference if uses_ref else None, autocast)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
             scheduler.step()
             seconds += time.perf_counter() - t_step
-            tokens += sums.pop("tokens")
+            tokens += sum(2 * len(p) + len(c) + len(r) for p, c, r in mine)
 
             # 4c. Log the implicit rewards, their margin and accuracy, the policy's log-probs, and the timings.
             if step % args.log_every == 0 or step == args.total_steps:
@@ -634,10 +628,6 @@ def main(args: Args) -> dict:
     # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) in final/.
     merged = (lambda: copy.deepcopy(model).merge_and_unload()) if args.lora_r else model
     return run.finish(final, measure, save, merged, tokenizer)
-
-
-LABEL_SMOOTHING = {"sigmoid": "[0, 0.5] (cDPO)", "simpo": "[0, 0.5]",
-                   "robust": "[0, 0.5) (the label-flip rate; 0.5 would divide by 0)"}
 
 
 def check_args(args: Args) -> int:
@@ -656,18 +646,16 @@ def check_args(args: Args) -> int:
     if args.beta <= 0:
         raise ValueError(f"--beta must be > 0, got {args.beta}: it scales the implicit reward beta log pi/pi_ref "
                          f"(typical: 0.1 for sigmoid/hinge/ipo/robust, about 2 for simpo)")
-    eps, allowed = args.label_smoothing, LABEL_SMOOTHING.get(args.loss_type)
-    if not 0 <= eps <= (0.5 if allowed else 0.0) or (args.loss_type == "robust" and eps == 0.5):
+    eps = args.label_smoothing
+    allowed = {"sigmoid": "[0, 0.5] (cDPO)", "simpo": "[0, 0.5]", "robust": "[0, 0.5) (the label-flip rate)"}
+    inside = {"sigmoid": 0 <= eps <= 0.5, "simpo": 0 <= eps <= 0.5, "robust": 0 <= eps < 0.5}
+    if not inside.get(args.loss_type, eps == 0):
         raise ValueError(f"--label-smoothing {eps} is outside its range for --loss-type {args.loss_type}: "
-                         f"{allowed or '0 only (it has no label smoothing; use --loss-type sigmoid or robust)'}")
+                         f"{allowed.get(args.loss_type, '0 only (use --loss-type sigmoid, simpo or robust)')}")
     if args.loss_type == "simpo" and args.precompute_ref_logps:
-        raise ValueError("--loss-type simpo is reference-free: --precompute-ref-logps has no reference to compute; "
-                         "drop the flag (or choose a loss that uses a reference)")
-    if args.lora_r:
-        try:
-            import peft  # noqa: F401
-        except ImportError:
-            raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
+        raise ValueError("--loss-type simpo is reference-free: --precompute-ref-logps has nothing to compute; drop it")
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")
     return micro
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
@@ -762,16 +750,13 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             ds = load_dataset("json", data_files=str(path), split="train")
         else:
             ds = load_dataset(args.dataset, split=split)
-        problem = None
-    except Exception as e:  # the loader's error, or the file's first bad line
+    except Exception as e:  # the file's first bad line, else the loader's own error
         if not file.is_file():
             raise
-        problem = json_lines_problem(file, option) or f"{type(e).__name__}: {e}"
-    missing = [c for c in columns if problem is None and c not in ds.column_names]
-    if missing and file.is_file():  # e.g. rows that are JSON lists
-        problem = json_lines_problem(file, option)
-    if problem:
-        raise ValueError(f"{file}{problem}")
+        raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing and file.is_file() and json_lines_problem(file, option):  # e.g. rows that are JSON lists
+        raise ValueError(f"{file}{json_lines_problem(file, option)}")
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
@@ -1032,7 +1017,12 @@ class Run:
         if not self.fsdp:
             return None
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return whole if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        first = {}
+        for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
+            whole[k] = whole[first.setdefault(id(v), k)]
+        return whole
 
     def load_sharded(self, path) -> None:
         """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""

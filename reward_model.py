@@ -1,13 +1,12 @@
 """Bradley-Terry reward model: a sequence classifier trained on preference pairs, for ppo.py via rewards.py.
 
-InstructGPT (arXiv:2203.02155, Sec. 3.5): a language model whose unembedding is replaced by a scalar head scores
-r(x, y) for prompt x and response y, and is trained on pairs where y_c was preferred to y_r:
+InstructGPT (arXiv:2203.02155, Sec. 3.5): a language model with a scalar head in place of its unembedding scores
+r(x, y), trained on pairs where y_c was preferred to y_r:
     loss = -E[ log sigmoid(r(x, y_c) - r(x, y_r) - m) ] + c E[ (r(x, y_c) + r(x, y_r))^2 ]              (Eq. 1)
-with Llama 2's margin m (arXiv:2307.09288, Eq. 2; `--margin-column`, else 0) and reward centring c (arXiv:2312.09244,
-`--center-rewards-coef`). The mean and std of the scores of the training pairs' chosen texts go into
-final/config.json (`reward_mean`, `reward_std`) for whitened rewards in ppo.py (the reward's `"normalize": true`).
-
-With `--tie-strength` nu > 0, pairs marked as ties train Davidson's (1970) tie term, which pulls their scores together.
+with Llama 2's margin m (arXiv:2307.09288, Eq. 2; `--margin-column`) and reward centring c (arXiv:2312.09244,
+`--center-rewards-coef`); `--tie-strength` trains Davidson's (1970) ties; `--comparisons K` makes the pairs by ranking
+K samples of the policy with a rule labeler. The mean and std of the training pairs' chosen scores go into
+final/config.json (`reward_mean`, `reward_std`) for ppo.py's whitened rewards.
 
 Run (more, and InstructGPT's whole pipeline: docs/reward_model.md):
     python reward_model.py                                        # embedded: models/tiny-arith on data/arith prefs
@@ -15,18 +14,16 @@ Run (more, and InstructGPT's whole pipeline: docs/reward_model.md):
 
 Deviations (why, and the measurements: docs/reward_model.md):
 - The new score head is initialised N(0, 1/(H+1)) as in lm-human-preferences (arXiv:2403.17031), not HF's std 0.02.
-- The text scored is prompt + response as the tokenizer encodes it (no EOS appended), read at its last real token,
-  as AutoModelForSequenceClassification and the `reward_model` reward read it.
-- Prefix sharing (`--pack-pairs`, arXiv:2410.20305): a pair in one row, chosen + the rejected tail, masked so that
-  every token sees what it sees alone (the same scores); checked at start, unpacked if the model fails the check.
-- A batch is `--batch-size` pairs in epoch order, one comparison a row; with `--ranking-column` (and `--comparisons`,
-  whose rankings come from a rule labeler, not people) it is `--batch-size` rankings, as in InstructGPT.
-- Pairs longer than `--max-length` are dropped (with a notice), not truncated; identical responses are an error.
-- Held-out accuracy counts ties as wrong; dropout is off; AdamW with warmup and cosine decay.
+- The text scored is prompt + response as the tokenizer encodes it (no EOS appended), read at its last real token.
+- One row per pair, the shared prefix once (`--pack-pairs`, arXiv:2410.20305), checked at start against plain rows.
+- A batch is `--batch-size` pairs in epoch order; with `--ranking-column`, `--batch-size` rankings (InstructGPT).
+- Pairs longer than `--max-length` are dropped (with a notice), not truncated.
+- Held-out accuracy counts ties as wrong; dropout is off.
 """
 
 import contextlib
 import copy
+import importlib.util
 import itertools
 import json
 import math
@@ -55,19 +52,32 @@ from rewards import make_reward
 
 @dataclass
 class Args:
-    # --- experiment / tracking
-    exp_name: str = "reward_model"
-    """name of this experiment, part of the run directory name"""
-    seed: int = 1
-    """seed of python, numpy and torch, and of the data order"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
-    wandb_entity: Optional[str] = None
-    """Weights & Biases team or user"""
-    output_dir: str = "runs"
-    """where run directories are created"""
+    # --- algorithm
+    center_rewards_coef: float = 0.0
+    """coefficient of (r_c + r_r)^2 in the loss, keeping scores near 0 (0: off; TRL suggests 0.01)"""
+    margin_column: Optional[str] = None
+    """column of the training split holding a margin m >= 0 per pair (Llama 2's -log sigmoid(r_c - r_r - m))"""
+    tie_strength: float = 0.0
+    """Davidson's nu > 0: pairs whose column `tie` is true pull their scores together (0: Bradley-Terry)"""
+    tie_start_step: int = 0
+    """the ties train only after this step (before it: the preferences alone)"""
+    ranking_column: Optional[str] = None
+    """pairs with one value here come from one ranking of K (column `k`) responses: one batch element, each pair
+    weighted 1/C(K,2) (Eq. 1); --batch-size then counts rankings"""
+    comparisons: int = 0
+    """K >= 2: make the pairs (Sec. 3.5): K samples of --policy per prompt, ranked by --labeler (0: read pairs)"""
+    comparison_rankings: bool = True
+    """train --comparisons as rankings (Eq. 1); --no-comparison-rankings: as independent pairs"""
+    comparison_prompts: int = 2000
+    """prompts of --dataset-split to sample --comparisons for"""
+    policy: Optional[str] = None
+    """the model --comparisons samples (None: --model-name-or-path)"""
+    labeler: str = "correctness"
+    """rewards.make_reward spec ranking each prompt's K samples in place of human labelers (equal scores: a tie)"""
+    temperature: float = 0.7
+    """--comparisons sample softmax(logits / T)"""
+    max_completion_length: int = 40
+    """longest completion --comparisons samples, in tokens"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
@@ -75,7 +85,7 @@ class Args:
     dataset: str = "data/arith"
     """local folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "prefs"
-    """split with the training preference pairs"""
+    """split with the training pairs"""
     eval_split: Optional[str] = "prefs_test"
     """split with held-out pairs for eval/pref_accuracy (None: no eval)"""
     prompt_column: str = "prompt"
@@ -84,85 +94,68 @@ class Args:
     """column holding the preferred response"""
     rejected_column: str = "rejected"
     """column holding the other response"""
-    margin_column: Optional[str] = None
-    """column of the training split holding a margin m >= 0 per pair (Llama 2's -log sigmoid(r_c - r_r - m))"""
-    ranking_column: Optional[str] = None
-    """pairs with one value in this column come from one ranking of K responses (K in column `k`): they are one batch
-    element, each pair weighted 1/C(K,2) (Eq. 1), each text scored once; --batch-size then counts rankings"""
-    comparisons: int = 0
-    """K >= 2: make the pairs instead of reading them (Sec. 3.5): K completions of each of the first
-    --comparison-prompts prompts of --dataset-split, sampled from --policy and ranked by --labeler; every pair of
-    different rank goes to <run>/comparisons.jsonl, a ranking per prompt (--ranking-column ranking)"""
-    comparison_rankings: bool = True
-    """train --comparisons as rankings (Eq. 1); --no-comparison-rankings: as independent pairs"""
-    comparison_prompts: int = 2000
-    """prompts of --dataset-split to sample --comparisons for"""
-    policy: Optional[str] = None
-    """the model --comparisons samples (None: --model-name-or-path, the SFT model the reward model starts from)"""
-    labeler: str = "correctness"
-    """rewards.make_reward spec that ranks each prompt's K completions, standing in for the human labelers; equal
-    scores are a tie, which gives no pair (with --tie-strength: a pair with tie: true)"""
-    temperature: float = 0.7
-    """--comparisons sample softmax(logits / T) (ppo.py's default T)"""
-    max_completion_length: int = 40
-    """longest completion --comparisons samples, in tokens"""
     max_length: int = 128
     """longest prompt + response in tokens; longer pairs are dropped"""
     eval_limit: int = 500
     """evaluate on at most this many held-out pairs"""
     lora_r: int = 0
-    """rank of LoRA adapters on every linear layer (0: train all weights; the score head trains in full); needs peft"""
+    """rank of LoRA adapters on every linear layer (0: no LoRA; the score head trains in full); needs peft"""
     lora_alpha: float = 32.0
-    """LoRA scaling numerator (the update is scaled by alpha / r)"""
+    """LoRA's alpha (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
-
-    # --- algorithm
-    center_rewards_coef: float = 0.0
-    """coefficient of (r_c + r_r)^2 added to the loss, keeping scores near 0 (0: off; TRL suggests 0.01)"""
-    tie_strength: float = 0.0
-    """nu > 0: Davidson's ties (`bradley_terry_loss`): pairs whose column `tie` is true pull their two scores together,
-    and --comparisons also writes its tied samples' pairs (tie: true) into comparisons.jsonl (0: Bradley-Terry)"""
-    tie_start_step: int = 0
-    """the ties train only after this step (before it: Bradley-Terry on the preferences alone)"""
 
     # --- optimisation
     learning_rate: float = 1e-3
     """peak learning rate of AdamW"""
     total_steps: int = 300
-    """optimiser steps (300: 4.8 epochs of the 4,000 embedded pairs); may change on --resume (the decay then follows)"""
+    """optimiser steps (300: 4.8 epochs of the 4,000 embedded pairs); may change on --resume"""
     batch_size: int = 64
-    """preference pairs per optimiser step, over all processes and micro-batches"""
+    """preference pairs per optimiser step (over all processes)"""
     micro_batch_size: int = 0
-    """pairs per forward/backward pass, gradients accumulated over the batch (0: largest divisor up to 128)"""
+    """pairs per forward/backward pass (0: the largest divisor up to 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """after warmup: cosine or linear decay to 0 at the last step, or constant"""
+    """after warmup: decay to 0, or constant"""
     warmup_steps: int = 10
     """linear warmup steps"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
-    pack_pairs: bool = True
-    """score each pair in one row holding the prefix its two texts share once (same scores, fewer tokens)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
-    device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
 
     # --- logging / checkpointing
     log_every: int = 10
-    """steps between rows of metrics.jsonl (and printed lines when the output is not a terminal)"""
+    """steps between rows of metrics.jsonl"""
     eval_every: int = 100
     """steps between held-out evaluations (0: only at start and end)"""
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
+    """runs/<run>/checkpoints/step_N to continue"""
+
+    # --- engineering / experiment
+    pack_pairs: bool = True
+    """one row per pair, the shared prefix once (plain rows if the model fails a check)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass"""
+    fsdp: bool = False
+    """under torchrun, shard weights, gradients and AdamW states (FSDP2), not DDP"""
+    device: str = "auto"
+    """cuda, cpu, or auto (cuda when available)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
+    exp_name: str = "reward_model"
+    """part of the run directory's name"""
+    seed: int = 1
+    """seed of every RNG and of the data order"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "cleanrl-llm"
+    """Weights & Biases project"""
+    wandb_entity: Optional[str] = None
+    """Weights & Biases team or user"""
+    output_dir: str = "runs"
+    """where run directories are created"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 
@@ -252,9 +245,6 @@ def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_len
     the weight of each of its pairs in Eq. 1), pairs dropped as too long)."""
     grouped = {}
     for i, (p, c, r, key, k) in enumerate(zip(prompts, chosen, rejected, keys, sizes)):
-        if c == r:
-            raise ValueError(f"{what}, row {i}: chosen and rejected are the same text, which states no preference: "
-                             f"remove the row")
         if isinstance(k, bool) or not isinstance(k, int) or k < 2:
             raise ValueError(f"{what}, row {i}: ranking size k={k!r}: it must be the number of responses ranked (>= 2)")
         texts, pairs, size = grouped.setdefault(key, ({}, [], k))
@@ -293,10 +283,9 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
     """Prefix sharing (arXiv:2410.20305): token lists (a, b) -> one row a + b[n:], n = shared_prefix(a, b). The tail
-    b[n:] attends to the shared prefix and to itself, not to a's tail, and its positions continue from the prefix,
-    so every token sees what it sees in its own sequence.
-    -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T], and [B, 1] each: where
-    b's tail starts (len(a)), n, the row's length."""
+    b[n:] attends to the prefix and to itself, not to a's tail, its positions going on from the prefix: every token
+    sees what it sees alone. -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T],
+    and [B, 1] each: where b's tail starts (len(a)), n, the row's length."""
     shared = [shared_prefix(a, b) for a, b in pairs]
     rows = [a + b[n:] for (a, b), n in zip(pairs, shared)]
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], True, pad_id)
@@ -309,6 +298,115 @@ def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
     query, key = col[None, :, None], col[None, None, :]
     allowed = (key <= query) & ~(tail[:, :, None] & (key >= shared[:, :, None]) & (key < split[:, :, None]))
     return ids, allowed, position_ids, split, shared, length
+
+
+@torch.no_grad()
+def check_packing(model, forward: Callable[[bool], torch.Tensor]) -> Optional[str]:
+    """forward(packed) of a few pairs, packed against plain, in eval mode -> why this model cannot use packing (e.g.
+    an attention that ignores custom 4D masks), or None."""
+    was_training = model.training
+    model.eval()
+    try:
+        plain, packed = forward(False), forward(True)
+    except Exception as e:  # noqa: BLE001
+        return f"its packed forward fails ({type(e).__name__}: {e})"
+    finally:
+        model.train(was_training)
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    diff = float((packed - plain).abs().max())
+    if not diff <= tol * (1 + float(plain.abs().max())):
+        return f"its packed results differ from its plain ones by {diff:.3g} (attention ignores the custom mask?)"
+    return None
+
+
+def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
+    """--pack-pairs, unless the model fails `check_packing` (then rows of their own, with a notice)."""
+    if not run.args.pack_pairs:
+        return False
+    why_not = check_packing(model, forward)
+    if why_not:
+        run.say(f"--pack-pairs: chosen and rejected in rows of their own, as {why_not}")
+    return why_not is None
+
+
+def optimizer_and_schedule(args, run, trained, model, overrides: dict) -> tuple:
+    """AdamW on the trainable weights and lr_factor's schedule; on --resume the weights and both states -> (optimizer,
+    scheduler, anchor, trainer_state.pt's dict). anchor[0] is lr_factor's: a resumed run's new --total-steps."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    run.trained = (trained, optimizer)  # what --fsdp checkpoints in shards
+    anchor = [None]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, anchor[0]))
+    state = run.restore(model, optimizer, scheduler)
+    anchor[0] = state.get("lr_anchor")
+    if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
+        old_total = overrides["total_steps"][0]
+        anchor[0] = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, anchor[0]))
+    return optimizer, scheduler, anchor, state
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
+    at s0 with a new `total`, the decay goes on from f0 and ends at 0 on the new last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    start, scale = anchor if anchor is not None and anchor[0] >= warmup else (warmup, 1.0)
+    progress = min(1.0, max(0, step - start) / max(1, total - start))
+    return scale * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress)
+
+
+def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) -> Optional[str]:
+    """What is wrong with a row as a preference pair, or None: `columns` (prompt, chosen, rejected, ...) filled in,
+    two different completions as text, a boolean `tie` (when read) and a number in column `margin` (when given)."""
+    chosen, rejected = row.get(columns[1]), row.get(columns[2])
+    missing = [c for c in columns if row.get(c) is None]
+    if missing:
+        return f"no column {missing}: fill it in or remove the row"
+    if not isinstance(chosen, str) or not isinstance(rejected, str):
+        return f"'{columns[1]}' and '{columns[2]}' must be text, got {chosen!r} and {rejected!r}"
+    if chosen == rejected:
+        return f"'{columns[1]}' and '{columns[2]}' are the same text, which states no preference: remove the row"
+    if "tie" in columns and not isinstance(row["tie"], bool):
+        return f"'tie' is {row['tie']!r}: it must be true (a tie) or false (chosen is better)"
+    if margin and (isinstance(row[margin], bool) or not isinstance(row[margin], (int, float))):
+        return f"margin '{margin}' is {row[margin]!r}, not a number"
+    return None
+
+
+def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
+    """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
+    work: a bad row is one line naming the file and line (a hub split: its row)."""
+    split, path = getattr(args, flag), Path(args.dataset).expanduser()
+    ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column or the flag naming it")
+    where = f"{path / split}.jsonl, line" if path.is_dir() else f"{args.dataset}, split '{split}', row"
+    for i, row in enumerate(ds, 1):
+        if problem := pair_problem(row, columns, margin):
+            raise ValueError(f"{where} {i}: {problem}")
+    return ds
+
+
+class PairOrder:
+    """Indices in seeded random epochs of whole batches (an epoch's incomplete last batch is skipped)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.gen = n, torch.Generator().manual_seed(seed)
+        self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
+
+    def draw(self, k: int) -> list[int]:
+        if self.cursor + k > len(self.order):
+            self.order, self.cursor = torch.randperm(self.n, generator=self.gen), 0
+        self.cursor += k
+        return self.order[self.cursor - k : self.cursor].tolist()
+
+    def state(self) -> dict:
+        return {"order_gen": self.gen.get_state(), "order": self.order, "cursor": self.cursor}
+
+    def load(self, state: dict) -> None:
+        self.gen.set_state(state["order_gen"])
+        self.order, self.cursor = state["order"], int(state["cursor"])
 
 
 def pack_texts(pairs: list[tuple], pad_id: int) -> tuple:
@@ -351,40 +449,6 @@ class PairScorer(torch.nn.Module):
 
 
 @torch.no_grad()
-def check_packing(model, forward: Callable[[bool], torch.Tensor]) -> Optional[str]:
-    """forward(packed) of a few pairs, packed against plain, in eval mode -> why packing cannot be used with this
-    model (e.g. an attention implementation that ignores custom 4D masks), or None."""
-    was_training = model.training
-    model.eval()
-    try:
-        plain, packed = forward(False), forward(True)
-    except Exception as e:  # noqa: BLE001
-        return f"its packed forward fails ({type(e).__name__}: {e})"
-    finally:
-        model.train(was_training)
-    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    diff = float((packed - plain).abs().max())
-    if not diff <= tol * (1 + float(plain.abs().max())):
-        return f"its packed results differ from its plain ones by {diff:.3g} (attention ignores the custom mask?)"
-    return None
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak learning rate: linear warmup, then cosine/linear decay to 0 or constant.
-
-    anchor (s0, f0): a run resumed at step s0 (after warmup) with a new `total`: the decay starts again from the
-    factor f0 it had reached and ends at 0 on the new last step, so the lr neither jumps nor stops early.
-    """
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    start, scale = anchor if anchor is not None and anchor[0] >= warmup else (warmup, 1.0)
-    progress = min(1.0, max(0, step - start) / max(1, total - start))
-    return scale * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress)
-
-
-@torch.no_grad()
 def score_sequences(model, rows: list[list[int]], pad_id: int, device, autocast, batch_size: int = 256,
                     progress: bool = False) -> torch.Tensor:
     """Scores of token lists in eval mode -> [N] float32 on the CPU. Each distinct list is scored once, in length
@@ -410,39 +474,6 @@ def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = F
             float((chosen - rejected).mean()), "eval/loss": float(bradley_terry_loss(chosen, rejected).mean())}
 
 
-class PairOrder:
-    """Indices in seeded random epochs of whole batches (an epoch's incomplete last batch is skipped)."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.gen = n, torch.Generator().manual_seed(seed)
-        self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
-
-    def draw(self, k: int) -> list[int]:
-        if self.cursor + k > len(self.order):
-            self.order, self.cursor = torch.randperm(self.n, generator=self.gen), 0
-        self.cursor += k
-        return self.order[self.cursor - k : self.cursor].tolist()
-
-    def state(self) -> dict:
-        return {"order_gen": self.gen.get_state(), "order": self.order, "cursor": self.cursor}
-
-    def load(self, state: dict) -> None:
-        self.gen.set_state(state["order_gen"])
-        self.order, self.cursor = state["order"], int(state["cursor"])
-
-
-def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
-    """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
-    work: a bad row is one line naming the file and line (a hub split: its row)."""
-    split, path = getattr(args, flag), Path(args.dataset).expanduser()
-    ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column or the flag naming it")
-    where = f"{path / split}.jsonl, line" if path.is_dir() else f"{args.dataset}, split '{split}', row"
-    for i, row in enumerate(ds, 1):
-        if problem := pair_problem(row, columns, margin):
-            raise ValueError(f"{where} {i}: {problem}")
-    return ds
-
-
 def load_preferences(args, tokenizer, flag: str, with_margin: bool, limit: Optional[int] = None):
     """A split's first `limit` pairs, checked (`load_pairs`) and tokenised -> ([(chosen_ids, rejected_ids, margin,
     tie)], pairs dropped as too long); of the training split with --ranking-column, its rankings
@@ -466,10 +497,8 @@ def load_preferences(args, tokenizer, flag: str, with_margin: bool, limit: Optio
 
 @torch.no_grad()
 def policy_comparisons(args, tokenizer, ds, device, progress: bool, ties: bool) -> list[dict]:
-    """InstructGPT's comparison data (Sec. 3.5) with a rule for the labelers: --comparisons K completions of each of
-    the prompts of `ds`, sampled from --policy, scored by --labeler, every pair of different
-    scores with the better one as chosen (`ranking_pairs`) -> pairs rows with the columns of the split the labeler
-    needs, the prompt's index `ranking` and `k` = K; with `ties`, also the tied pairs (`tied_pairs`), column `tie`."""
+    """InstructGPT's comparisons (Sec. 3.5), a rule for the labelers: K samples of --policy per prompt of `ds`, scored
+    by --labeler -> pairs rows (`ranking_pairs`; with `ties` also `tied_pairs`, column `tie`), `ranking`, `k` = K."""
     labeler = make_reward(args.labeler)
     prompts = list(ds[args.prompt_column])
     columns = {c: list(ds[c]) for c in sorted(labeler.required_columns)}
@@ -498,6 +527,39 @@ def policy_comparisons(args, tokenizer, ds, device, progress: bool, ties: bool) 
     return rows
 
 
+def comparison_data(args, run, tokenizer):
+    """--comparisons: comparisons.jsonl (and comparisons_test.jsonl of the eval split's prompts), written once by rank 0
+    into the run directory -> (the arguments that read them as rankings, the held-out comparisons as pairs)."""
+    needed = [args.prompt_column, *sorted(make_reward(args.labeler).required_columns)]
+    splits = {"dataset_split": load_split(args, "dataset_split", needed, "--prompt-column, or another --labeler")}
+    for i, row in enumerate(splits["dataset_split"], 1):
+        if missing := [c for c in needed if row[c] is None]:
+            raise ValueError(f"split '{args.dataset_split}', row {i}: no {missing}, which --comparisons needs")
+    if args.eval_split:
+        columns = [args.prompt_column, args.chosen_column, args.rejected_column, *needed[1:]]
+        splits["eval_split"] = load_pairs(args, "eval_split", columns)
+    for flag, name, limit in (("dataset_split", "comparisons", args.comparison_prompts),
+                              ("eval_split", "comparisons_test", args.eval_limit)):
+        path = run.dir / f"{name}.jsonl"
+        if run.rank == 0 and flag in splits and not path.exists():
+            ds = splits[flag].select(range(min(limit, len(splits[flag]))))
+            rows = policy_comparisons(args, tokenizer, ds, run.device, run.progress,
+                                      ties=flag == "dataset_split" and args.tie_strength > 0)
+            run.dir.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            path.with_suffix(".tmp").rename(path)  # atomic: a killed run leaves no half-written file
+            run.say(f"{path}: {sum(not r.get('tie') for r in rows)} pairs and {sum(bool(r.get('tie')) for r in rows)} "
+                    f"ties from {len({r['ranking'] for r in rows})} prompts x {args.comparisons} samples of "
+                    f"{args.policy or args.model_name_or_path}")
+    run.barrier()
+    data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None,
+                        prompt_column="prompt", chosen_column="chosen", rejected_column="rejected",
+                        ranking_column="ranking" if args.comparison_rankings else None)
+    held_out = load_preferences(replace(data_args, eval_split="comparisons_test"), tokenizer, "eval_split", False)[0] \
+        if args.eval_split else []
+    return data_args, held_out
+
+
 def collate_rankings(rankings, pad_id: int):
     """Rankings -> (ids [N, T] right-padded: every ranking's texts, attention mask [N, T], better [P], worse [P]: each
     pair's rows, weights [P]: 1 / C(K,2) of its ranking, ties [P] bool)."""
@@ -514,10 +576,8 @@ def collate_rankings(rankings, pad_id: int):
 
 def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: int, world: int, device,
                       autocast, rankings: bool = False, nu: float = 0.0) -> tuple[dict, torch.Tensor]:
-    """One optimiser step on this process's pairs (or rankings), `micro` at a time: the loss of Eq. 1 is the mean over
-    the global batch, so each micro-batch adds its sum / --batch-size (DDP averages, hence x world). A ranking's texts
-    are scored once and each of its pairs weighs 1 / C(K,2) (Eq. 1: the C(K,2) comparisons are one batch element).
-    nu: Davidson's tie strength; at 0 a tie (a ranking's, or one before --tie-start-step) adds no loss."""
+    """One optimiser step on this process's pairs (or rankings), `micro` at a time, on Eq. 1's mean over the global
+    batch (a ranking's pairs weigh 1 / C(K,2) each). nu: Davidson's tie strength; at 0 a tie adds no loss."""
     ddp = isinstance(scorer, torch.nn.parallel.DistributedDataParallel)
     packed = (scorer.module if ddp else scorer).packed
     sums = dict.fromkeys(("loss", "correct", "margin", "reward", "pairs", "texts"), 0.0)
@@ -552,61 +612,167 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
     return sums, grad_norm
 
 
-def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) -> Optional[str]:
-    """What is wrong with a row as a preference pair, or None: `columns` (prompt, chosen, rejected, ...) filled in,
-    two different completions as text, a boolean `tie` (when read) and a number in column `margin` (when given)."""
-    chosen, rejected = row.get(columns[1]), row.get(columns[2])
-    missing = [c for c in columns if row.get(c) is None]
-    if missing:
-        return f"no column {missing}: fill it in or remove the row"
-    if not isinstance(chosen, str) or not isinstance(rejected, str):
-        return f"'{columns[1]}' and '{columns[2]}' must be text, got {chosen!r} and {rejected!r}"
-    if chosen == rejected:
-        return f"'{columns[1]}' and '{columns[2]}' are the same text, which states no preference: remove the row"
-    if "tie" in columns and not isinstance(row["tie"], bool):
-        return f"'tie' is {row['tie']!r}: it must be true (a tie) or false (chosen is better)"
-    if margin and (isinstance(row[margin], bool) or not isinstance(row[margin], (int, float))):
-        return f"margin '{margin}' is {row[margin]!r}, not a number"
-    return None
+def load_reward_model(args: Args, tokenizer, device) -> tuple:
+    """The causal LM with a new scalar head (a sequence classifier, one output), or a reward model; dropout off;
+    LoRA adapters with --lora-r -> (model, the new head's parameters, initialised by `init_score_head`)."""
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the head is new on purpose: no "newly initialized" report
+    model, loading = AutoModelForSequenceClassification.from_pretrained(
+        args.model_name_or_path, num_labels=1, dtype=dtype, output_loading_info=True)
+    hf_logging.set_verbosity(verbosity)
+    new_head = [] if args.resume else init_score_head(model, set(loading["missing_keys"]))
+    model.config.pad_token_id = tokenizer.pad_token_id  # the classifier finds each sequence's end by it
+    model.to(device)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                                                 lora_dropout=args.lora_dropout, task_type="SEQ_CLS"))
+    return model, new_head
 
 
-def comparison_data(args, run, tokenizer):
-    """--comparisons: the policy's own samples, ranked (Sec. 3.5), written once by rank 0 into the run directory
-    (comparisons.jsonl, and comparisons_test.jsonl from the eval split's prompts; a resumed run reads them back)
-    -> (the arguments that read them as rankings, the held-out comparisons as pairs). Both splits are checked first:
-    the prompts and what --labeler reads, and the held-out split's pairs."""
-    needed = [args.prompt_column, *sorted(make_reward(args.labeler).required_columns)]
-    splits = {"dataset_split": load_split(args, "dataset_split", needed, "--prompt-column, or another --labeler")}
-    for i, row in enumerate(splits["dataset_split"], 1):
-        if missing := [c for c in needed if row[c] is None]:
-            raise ValueError(f"split '{args.dataset_split}', row {i}: no {missing}, which --comparisons needs")
+def load_data(args: Args, run, tokenizer) -> tuple[list, list, list, bool]:
+    """Every split, checked and tokenised before the model loads (--comparisons: made first) -> (training pairs or
+    rankings, held-out pairs, held-out comparisons, whether the training data are rankings)."""
+    data_args, held_out = comparison_data(args, run, tokenizer) if args.comparisons else (args, [])
+    pairs, dropped = load_preferences(data_args, tokenizer, "dataset_split", with_margin=True)
+    eval_pairs = []
     if args.eval_split:
-        columns = [args.prompt_column, args.chosen_column, args.rejected_column, *needed[1:]]
-        splits["eval_split"] = load_pairs(args, "eval_split", columns)
-    for flag, name, limit in (("dataset_split", "comparisons", args.comparison_prompts),
-                              ("eval_split", "comparisons_test", args.eval_limit)):
-        path = run.dir / f"{name}.jsonl"
-        if run.rank == 0 and flag in splits and not path.exists():
-            ds = splits[flag].select(range(min(limit, len(splits[flag]))))
-            rows = policy_comparisons(args, tokenizer, ds, run.device, run.progress,
-                                      ties=flag == "dataset_split" and args.tie_strength > 0)
-            run.dir.mkdir(parents=True, exist_ok=True)
-            path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            path.with_suffix(".tmp").rename(path)  # atomic: a killed run leaves no half-written file
-            run.say(f"{path}: {sum(not r.get('tie') for r in rows)} pairs and {sum(bool(r.get('tie')) for r in rows)} "
-                    f"ties from {len({r['ranking'] for r in rows})} prompts x {args.comparisons} samples of "
-                    f"{args.policy or args.model_name_or_path}")
-    run.barrier()
-    data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None,
-                        prompt_column="prompt", chosen_column="chosen", rejected_column="rejected",
-                        ranking_column="ranking" if args.comparison_rankings else None)
-    held_out = load_preferences(replace(data_args, eval_split="comparisons_test"), tokenizer, "eval_split", False)[0] \
-        if args.eval_split else []
-    return data_args, held_out
+        eval_pairs, eval_dropped = load_preferences(args, tokenizer, "eval_split", False, args.eval_limit)
+        dropped += eval_dropped
+    if dropped:
+        run.say(f"dropped {dropped} pairs longer than --max-length {args.max_length} tokens")
+    return pairs, eval_pairs, held_out, bool(data_args.ranking_column)
+
+
+def preference_metrics(run, sums: dict) -> dict:
+    """`preference_update`'s sums over every process -> the batch's loss, its preferences' accuracy and margin, and
+    the mean score."""
+    total = run.gather(torch.tensor([list(sums.values())], dtype=torch.float64, device=run.device)).sum(0)
+    s = dict(zip(sums, total.tolist()))
+    return {"train/loss": s["loss"], "train/accuracy": s["correct"] / max(s["pairs"], 1),
+            "train/margin": s["margin"] / max(s["pairs"], 1), "train/reward": s["reward"] / s["texts"]}
+
+
+def chosen_statistics(model, pairs: list, rankings: bool, pad_id: int, device, autocast, progress: bool) -> dict:
+    """The mean and std of the scores of the training pairs' chosen texts (of rankings: every text), for ppo.py's
+    whitened rewards."""
+    texts = [t for texts, _, _ in pairs for t in texts] if rankings else [p[0] for p in pairs if not p[3]]
+    chosen = score_sequences(model, texts, pad_id, device, autocast, progress=progress)
+    return {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "track",
                      "wandb_project_name", "wandb_entity", "device", "pack_pairs")
+
+
+def main(args: Args) -> dict:
+    # 0. Check every input before any work (a resumed run takes its checkpoint's arguments); processes, device, seeds.
+    args, overrides = resume_args(args, RESUME_MAY_CHANGE)
+    micro = check_args(args)
+    run = Run(args, overrides, shown=("train/loss", "train/accuracy", "eval/pref_accuracy"))
+    device = run.device
+    world = run.world
+
+    # 1. Data: each pair as the token ids of prompt + chosen and prompt + rejected (and its margin), or rankings.
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    pad_id = tokenizer.pad_token_id
+    pairs, eval_pairs, held_out, rankings = load_data(args, run, tokenizer)
+
+    # 2. Model: the causal LM with a new scalar head; one row per pair if the model passes the check (a ranking's
+    #    texts are scored one a row).
+    model, new_head = load_reward_model(args, tokenizer, device)
+    packed = not rankings and use_packing(
+        run, model, lambda p: PairScorer(model, p)(*pair_batch(pairs[:8], pad_id, p, device)))
+    scorer = PairScorer(model, packed)
+    if run.fsdp:  # each decoder layer sharded over the processes (FSDP2)
+        scorer = run.shard(scorer, decoder_layers(model))
+    elif run.ddp:
+        scorer = torch.nn.parallel.DistributedDataParallel(scorer, device_ids=[device] if device.type == "cuda"
+                                                           else None)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
+
+    # 3. Optimiser, schedule and data order (the same on every process); on --resume the weights, then their states.
+    optimizer, scheduler, lr_anchor, state = optimizer_and_schedule(args, run, scorer, model, overrides)
+    order = PairOrder(len(pairs), args.seed)
+    prefs = [i for i, p in enumerate(pairs) if rankings or not p[3]]  # until --tie-start-step (a ranking: masked)
+    pref_order = PairOrder(len(prefs), args.seed)
+    if state:
+        order.load(state)
+        pref_order.load(state.get("pref_order", pref_order.state()))  # none saved before --tie-start-step's time
+
+    def measure() -> tuple[dict, list]:
+        metrics = pair_metrics(model, eval_pairs, pad_id, device, autocast, run.progress) if eval_pairs else {}
+        if held_out:  # the policy's samples on the held-out prompts, ranked by the labeler
+            comparisons = pair_metrics(model, held_out, pad_id, device, autocast, run.progress)
+            metrics.update({k.replace("pref", "comparison"): v for k, v in comparisons.items()})
+        return metrics, []
+
+    def save() -> Path:
+        return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
+                                                 "scheduler": scheduler.state_dict(), "lr_anchor": lr_anchor[0],
+                                                 **order.state(), "pref_order": pref_order.state()}, per_rank={})
+
+    # 4. Train.
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    unit = "rankings" if rankings else "pairs"
+    head = f"; new score head {', '.join(new_head)} ~ N(0, 1/(H+1))" if new_head else ""
+    run.say(f"run directory: {run.dir}  |  {len(pairs)} training {unit}, {len(eval_pairs)} held-out pairs, "
+            f"{n_train / 1e6:.2f}M trainable parameters on {device}, micro-batch {micro} {unit}"
+            f"{' packed in one row each' if packed else ''}{head}")
+    share = args.batch_size // world
+    final, tokens, seconds, last_log = {}, 0, 0.0, run.start
+    with run:
+        for step in run.steps(measure, save):
+            t_step = time.perf_counter()
+            # 4a. The next global batch of pairs in epoch order (up to --tie-start-step, of the preferences alone);
+            #     every process draws the same and keeps its share.
+            ties = step > args.tie_start_step
+            drawn = order.draw(args.batch_size) if ties else [prefs[i] for i in pref_order.draw(args.batch_size)]
+            mine = [pairs[i] for i in drawn][run.rank * share : (run.rank + 1) * share]
+            # 4b. Score chosen and rejected in one pass and take a step on the loss of Eq. 1, its mean over the batch.
+            sums, grad_norm = preference_update(scorer, optimizer, mine, micro, args, pad_id, world, device, autocast,
+                                                rankings, args.tie_strength * ties)
+            lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
+            scheduler.step()
+            tokens += sum(sum(map(len, x[0])) if rankings else len(x[0]) + len(x[1]) for x in mine)  # the texts' tokens
+            seconds += time.perf_counter() - t_step
+
+            # 4c. Log the loss, pair accuracy and margin of this step's batch, and the timings.
+            if step % args.log_every == 0 or step == args.total_steps:
+                final = {"step": step, **preference_metrics(run, sums), "train/grad_norm": float(grad_norm),
+                         "train/lr": lr, "perf/step_s": seconds / (step - last_log),
+                         "perf/tokens_per_s": tokens * world / max(seconds, 1e-9)}
+                run.log(final)
+                tokens, seconds, last_log = 0, 0.0, step
+
+    # 5. The reward model (LoRA merged) and the mean and std of its scores of the training pairs' chosen texts, for
+    #    ppo.py's whitened rewards; then the final evaluation, a checkpoint, and final/ with the statistics.
+    merged, stats = model, {}
+    with run.whole():  # --fsdp: rank 0 scores with whole weights
+        if run.rank == 0 and not run.stop:
+            merged = copy.deepcopy(model).merge_and_unload() if args.lora_r else model
+            stats = chosen_statistics(merged, pairs, rankings, pad_id, device, autocast, run.progress)
+            final.update({f"final/{k}": v for k, v in stats.items()})
+
+    def final_model():  # the statistics go into final/config.json, not into the last checkpoint's
+        merged.config.update(stats)
+        return merged
+
+    spec = {"type": "reward_model", "model": str((run.dir / "final").resolve()), "normalize": True}
+    notes = [f"reward statistics for ppo.py: {', '.join(f'{k} {v:.4g}' for k, v in stats.items())} (saved in "
+             f"{run.dir / 'final'}/config.json); `ppo.py --reward {run.dir / 'final' / 'reward.json'}` scores with it"]
+    out = run.finish(final, measure, save, final_model, tokenizer, notes=tuple(notes * bool(stats)))
+    if run.rank == 0 and not out["interrupted"]:  # the spec of rewards.make_reward that scores with it, whitened
+        (run.dir / "final" / "reward.json").write_text(json.dumps(spec, indent=2) + "\n")
+    return out
 
 
 def check_args(args: Args) -> int:
@@ -622,11 +788,8 @@ def check_args(args: Args) -> int:
                          f"use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}")
     micro = fit_micro_batch(args.micro_batch_size, args.batch_size // world,
                             f"each process's pairs (--batch-size / {world} processes)" if world > 1 else "--batch-size")
-    if args.lora_r:
-        try:
-            import peft  # noqa: F401
-        except ImportError:
-            raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")
     if args.tie_strength and args.margin_column:
         raise ValueError("--tie-strength with --margin-column: a tie has no margin; drop one of them")
     if args.tie_start_step and not (args.tie_strength and args.tie_start_step < args.total_steps):
@@ -644,160 +807,6 @@ def check_args(args: Args) -> int:
     elif args.ranking_column and args.margin_column:
         raise ValueError("--ranking-column with --margin-column: a ranking's pairs carry no margin; drop one of them")
     return micro
-
-
-def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
-    #    up processes, device and seeds.
-    args, overrides = resume_args(args, RESUME_MAY_CHANGE)
-    micro = check_args(args)
-    run = Run(args, overrides, shown=("train/loss", "train/accuracy", "eval/pref_accuracy"))
-    device, rank, world = run.device, run.rank, run.world
-
-    # 1. Data: each pair as the token ids of prompt + chosen and prompt + rejected (and its margin).
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    pad_id = tokenizer.pad_token_id
-    data_args, held_out = comparison_data(args, run, tokenizer) if args.comparisons else (args, [])
-    rankings = bool(data_args.ranking_column)
-    pairs, dropped = load_preferences(data_args, tokenizer, "dataset_split", with_margin=True)
-    eval_pairs, eval_dropped = [], 0
-    if args.eval_split:
-        eval_pairs, eval_dropped = load_preferences(args, tokenizer, "eval_split", False, args.eval_limit)
-    if dropped + eval_dropped:
-        run.say(f"dropped {dropped + eval_dropped} pairs longer than --max-length {args.max_length} tokens")
-
-    # 2. Model: the causal LM with a new scalar head (a sequence classifier with one output), or a reward model.
-    weights_dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the head is new on purpose: no "newly initialized" report
-    model, loading = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, num_labels=1, dtype=weights_dtype, output_loading_info=True)
-    hf_logging.set_verbosity(verbosity)
-    new_head = init_score_head(model, set(loading["missing_keys"])) if not args.resume else []
-    model.config.pad_token_id = pad_id  # the classifier finds each sequence's end by it
-    model.to(device)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
-                                                 lora_dropout=args.lora_dropout, task_type="SEQ_CLS"))
-    why_not_packed = None
-    if args.pack_pairs and not rankings:
-        why_not_packed = check_packing(model, lambda p: PairScorer(model, p)(*pair_batch(pairs[:8], pad_id, p, device)))
-    if why_not_packed:
-        run.say(f"--pack-pairs: scoring chosen and rejected texts in rows of their own, as {why_not_packed}")
-    packed = args.pack_pairs and not rankings and not why_not_packed  # a ranking's texts are scored one a row
-    scorer = PairScorer(model, packed)
-    if run.fsdp:  # each decoder layer sharded over the processes (FSDP2)
-        scorer = run.shard(scorer, decoder_layers(model))
-    elif run.ddp:
-        scorer = torch.nn.parallel.DistributedDataParallel(scorer, device_ids=[device] if device.type == "cuda"
-                                                           else None)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
-
-    # 3. Optimiser, schedule and data order (the same on every process); on --resume the weights, then their states.
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  betas=(0.9, 0.99), weight_decay=args.weight_decay)
-    run.trained = (scorer, optimizer)  # what --fsdp checkpoints in shards
-    lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
-    order = PairOrder(len(pairs), args.seed)
-    prefs = [i for i, p in enumerate(pairs) if rankings or not p[3]]  # until --tie-start-step (a ranking: masked)
-    pref_order = PairOrder(len(prefs), args.seed)
-    state = run.restore(model, optimizer, scheduler)
-    if state:
-        order.load(state)
-        if "pref_order" in state:  # a checkpoint from before --tie-start-step has none, and needs none
-            pref_order.load(state["pref_order"])
-        lr_anchor = state["lr_anchor"]
-        if "total_steps" in overrides:  # the decay continues from where it is to the new last step
-            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
-                                              args.lr_schedule, lr_anchor))
-
-    def measure() -> tuple[dict, list]:
-        metrics = pair_metrics(model, eval_pairs, pad_id, device, autocast, run.progress) if eval_pairs else {}
-        if held_out:  # the policy's samples on the held-out prompts, ranked by the labeler
-            metrics.update({k.replace("pref", "comparison"): v for k, v in
-                            pair_metrics(model, held_out, pad_id, device, autocast, run.progress).items()})
-        return metrics, []
-
-    def save() -> Path:
-        return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler":
-                                                     scheduler.state_dict(), "lr_anchor": lr_anchor, **order.state(),
-                                                     "pref_order": pref_order.state()},
-                              per_rank={})
-
-    # 4. Train.
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    head = f"; new score head {', '.join(new_head)} ~ N(0, 1/(H+1))" if new_head else ""
-    run.say(f"run directory: {run.dir}  |  {len(pairs)} training {'rankings' if rankings else 'pairs'}, "
-            f"{len(eval_pairs)} held-out pairs, {n_train / 1e6:.2f}M trainable parameters on {device}, micro-batch "
-            f"{micro} {'rankings' if rankings else 'pairs'}"
-            f"{' packed in one row each' if packed else ''}{head}")
-    share, final, tokens, seconds, last_log = args.batch_size // world, {}, 0, 0.0, run.start
-    with run:
-        for step in run.steps(measure, save):
-            t_step = time.perf_counter()
-            # 4a. The next global batch of pairs in epoch order (up to --tie-start-step, of the preferences alone);
-            #     every process draws the same and keeps its share.
-            ties = step > args.tie_start_step
-            drawn = order.draw(args.batch_size) if ties else [prefs[i] for i in pref_order.draw(args.batch_size)]
-            mine = [pairs[i] for i in drawn][rank * share : (rank + 1) * share]
-            # 4b. Score chosen and rejected in one pass (one row per pair with --pack-pairs) and take a step on the
-            #     Bradley-Terry loss (Eq. 1), its mean over the global batch.
-            sums, grad_norm = preference_update(scorer, optimizer, mine, micro, args, pad_id, world, device, autocast,
-                                                rankings, args.tie_strength * ties)
-            lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
-            scheduler.step()
-            tokens += sum(sum(map(len, x[0])) if rankings else len(x[0]) + len(x[1]) for x in mine)  # the texts' tokens
-            seconds += time.perf_counter() - t_step
-
-            # 4c. Log the loss, pair accuracy and margin of this step's batch, and the timings.
-            if step % args.log_every == 0 or step == args.total_steps:
-                local = torch.tensor([sums[k] for k in ("loss", "correct", "margin", "reward", "pairs", "texts")]
-                                     + [tokens], dtype=torch.float64, device=device)
-                if run.ddp:
-                    dist.all_reduce(local)
-                loss_sum, correct, margin_sum, reward_sum, n_pairs, n_texts, n_tokens = local.tolist()
-                final = {"step": step, "train/loss": loss_sum, "train/accuracy": correct / max(n_pairs, 1),
-                         "train/margin": margin_sum / max(n_pairs, 1), "train/reward": reward_sum / n_texts,
-                         "train/grad_norm": float(grad_norm), "train/lr": lr,
-                         "perf/step_s": seconds / (step - last_log), "perf/tokens_per_s": n_tokens / max(seconds, 1e-9)}
-                run.log(final)
-                tokens, seconds, last_log = 0, 0.0, step
-
-    # 5. The reward model (LoRA merged into it) and the mean and std of its scores of the training pairs' chosen texts,
-    #    for ppo.py's whitened rewards; then the final evaluation, a checkpoint, and final/ with the statistics.
-    merged, stats, notes = model, {}, ()
-    with run.whole():  # --fsdp: rank 0 scores with whole weights
-        if rank == 0 and not run.stop:
-            merged = copy.deepcopy(model).merge_and_unload() if args.lora_r else model
-            texts = [t for texts, _, _ in pairs for t in texts] if rankings else [p[0] for p in pairs if not p[3]]
-            chosen = score_sequences(merged, texts, pad_id, device, autocast, progress=run.progress)
-            stats = {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
-            final.update({f"final/{k}": v for k, v in stats.items()})
-            notes = (f"reward statistics for ppo.py: reward_mean {stats['reward_mean']:.4g}, reward_std "
-                     f"{stats['reward_std']:.4g} (saved in {run.dir / 'final'}/config.json); "
-                     f"`ppo.py --reward {run.dir / 'final' / 'reward.json'}` scores with the model, whitened",)
-
-    def final_model():  # the statistics go into final/config.json, not into the last checkpoint's
-        merged.config.update(stats)
-        return merged
-
-    out = run.finish(final, measure, save, final_model, tokenizer, notes=notes)
-    if rank == 0 and not out["interrupted"]:  # the spec of rewards.make_reward that scores with it
-        spec = {"type": "reward_model", "model": str((run.dir / "final").resolve()), "normalize": True}
-        (run.dir / "final" / "reward.json").write_text(json.dumps(spec, indent=2) + "\n")
-    return out
-
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
 # A reader need not modify it. A function here with the same name in another script is the same text there.
@@ -891,16 +900,13 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             ds = load_dataset("json", data_files=str(path), split="train")
         else:
             ds = load_dataset(args.dataset, split=split)
-        problem = None
-    except Exception as e:  # the loader's error, or the file's first bad line
+    except Exception as e:  # the file's first bad line, else the loader's own error
         if not file.is_file():
             raise
-        problem = json_lines_problem(file, option) or f"{type(e).__name__}: {e}"
-    missing = [c for c in columns if problem is None and c not in ds.column_names]
-    if missing and file.is_file():  # e.g. rows that are JSON lists
-        problem = json_lines_problem(file, option)
-    if problem:
-        raise ValueError(f"{file}{problem}")
+        raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing and file.is_file() and json_lines_problem(file, option):  # e.g. rows that are JSON lists
+        raise ValueError(f"{file}{json_lines_problem(file, option)}")
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
@@ -1161,7 +1167,12 @@ class Run:
         if not self.fsdp:
             return None
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return whole if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        first = {}
+        for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
+            whole[k] = whole[first.setdefault(id(v), k)]
+        return whole
 
     def load_sharded(self, path) -> None:
         """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""

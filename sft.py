@@ -403,16 +403,13 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             ds = load_dataset("json", data_files=str(path), split="train")
         else:
             ds = load_dataset(args.dataset, split=split)
-        problem = None
-    except Exception as e:  # the loader's error, or the file's first bad line
+    except Exception as e:  # the file's first bad line, else the loader's own error
         if not file.is_file():
             raise
-        problem = json_lines_problem(file, option) or f"{type(e).__name__}: {e}"
-    missing = [c for c in columns if problem is None and c not in ds.column_names]
-    if missing and file.is_file():  # e.g. rows that are JSON lists
-        problem = json_lines_problem(file, option)
-    if problem:
-        raise ValueError(f"{file}{problem}")
+        raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing and file.is_file() and json_lines_problem(file, option):  # e.g. rows that are JSON lists
+        raise ValueError(f"{file}{json_lines_problem(file, option)}")
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
@@ -664,7 +661,12 @@ class Run:
         if not self.fsdp:
             return None
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return whole if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        first = {}
+        for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
+            whole[k] = whole[first.setdefault(id(v), k)]
+        return whole
 
     def load_sharded(self, path) -> None:
         """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""

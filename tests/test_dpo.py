@@ -212,7 +212,7 @@ def test_packed_and_plain_runs_train_alike_and_a_failed_check_falls_back(tiny, t
     monkeypatch.setattr(dpo, "pack_completions", lambda pairs, pad_id: (lambda ids, allowed, *rest: (
         ids, torch.ones_like(allowed).tril(), *rest))(*pack(pairs, pad_id)))
     fallback = dpo.main(tiny_args(tiny, tmp_path / "fallback", total_steps=3))
-    assert "--pack-pairs: running chosen and rejected in rows of their own" in capsys.readouterr().out
+    assert "--pack-pairs: chosen and rejected in rows of their own" in capsys.readouterr().out
     assert [r["train/loss"] for r in train_rows(Path(fallback["run_dir"]))] == [r["train/loss"] for r in rows[1]]
 
 

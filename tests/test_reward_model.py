@@ -356,7 +356,7 @@ def test_a_model_that_cannot_take_the_packed_mask_is_scored_unpacked(tiny, tmp_p
     why = rm.check_packing(model, lambda p: rm.PairScorer(model, p)(*rm.pair_batch(pairs, 0, p, "cpu")))
     assert why is not None and "differ from its plain ones" in why
     fallback = rm.main(tiny_args(tiny, tmp_path / "fallback", eval_split=None))
-    assert "--pack-pairs: scoring chosen and rejected texts in rows of their own" in capsys.readouterr().out
+    assert "--pack-pairs: chosen and rejected in rows of their own" in capsys.readouterr().out
     assert fallback["train/loss"] == plain["train/loss"] and fallback["train/grad_norm"] == plain["train/grad_norm"]
 
 
