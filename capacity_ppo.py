@@ -610,7 +610,7 @@ def start_run(args: Args) -> tuple[Args, Path, dict | None]:
         record = json.loads((run_dir / "args.json").read_text())
         record.setdefault("resumed", []).append({"checkpoint": args.resume, "overrides": overrides})
         state = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False)
-        state["agent"] = load_file(Path(args.resume) / "agent.safetensors", device=args.device)
+        state["agent"] = load_agent(args.resume, args.device).state_dict()
         metrics = run_dir / "metrics.jsonl"
         rows = metrics.read_text().splitlines() if metrics.is_file() else []
         metrics.write_text("".join(f"{r}\n" for r in rows if json.loads(r)["step"] <= state["global_step"]))
@@ -691,9 +691,21 @@ def finish_run(run_dir: Path, state: dict, m: dict, args: Args, threads: int) ->
     return {**m, "step": state["global_step"], "run_dir": str(run_dir), "checkpoint": str(checkpoint)}
 
 
-if __name__ == "__main__":
+def command_line(Args, main) -> None:
+    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
     try:
         main(tyro.cli(Args))
-    except KeyboardInterrupt:  # a second Ctrl-C while the first one's checkpoint is written: quit at once
+    except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
+    except ValueError as e:
+        tb = e.__traceback__
+        while tb.tb_next:
+            tb = tb.tb_next
+        if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
+            raise  # raised inside a library: the traceback says where
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    command_line(Args, main)

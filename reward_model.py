@@ -637,7 +637,7 @@ def load_reward_model(args: Args, tokenizer, device) -> tuple:
     return model, new_head
 
 
-def load_data(args: Args, run, tokenizer) -> tuple[list, list, list, bool]:
+def load_preference_splits(args: Args, run, tokenizer) -> tuple[list, list, list, bool]:
     """Every split, checked and tokenised before the model loads (--comparisons: made first) -> (training pairs or
     rankings, held-out pairs, held-out comparisons, whether the training data are rankings)."""
     data_args, held_out = comparison_data(args, run, tokenizer) if args.comparisons else (args, [])
@@ -684,7 +684,7 @@ def main(args: Args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     pad_id = tokenizer.pad_token_id
-    pairs, eval_pairs, held_out, rankings = load_data(args, run, tokenizer)
+    pairs, eval_pairs, held_out, rankings = load_preference_splits(args, run, tokenizer)
 
     # 2. Model: the causal LM with a new scalar head; one row per pair if the model passes the check (a ranking's
     #    texts are scored one a row).
