@@ -1,36 +1,25 @@
 """Hybrid SFT + PPO: one model trained by alternating supervised and PPO steps on a curriculum.
 
 A causal LM with a value head on its backbone (last hidden state -> one scalar per token) takes two kinds of step:
-    SFT step:  completion-only cross-entropy on demonstrations (InstructGPT, arXiv:2203.02155, Sec. 3.5), as sft.py:
-               L = - sum_t log pi(y_t | x, y_<t) / (completion tokens of the batch)
-    PPO step:  ppo.py's (arXiv:1909.08593; N+, arXiv:2403.17031), the value head in place of a value model:
-        1. sample a completion o for each prompt q from pi_old and score it: s = R(q, o)  (- the missing-EOS penalty)
-        2. r_t = -beta KL_t + [t = last token] s,  KL_t = log pi_old(o_t) - log pi_ref(o_t)  (Eq. 2 of arXiv:2203.02155)
-        3. GAE with the value head's V_t (Eq. 16 of arXiv:1506.02438), R_t = A_t + V_t
-        4. epochs of mini-batches: clipped surrogate, clipped value loss, entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
-        5. adapt beta to the batch's KL (Sec. 2.2 of arXiv:1909.08593).
-    Curriculum: the share f(s) of SFT steps moves from --sft-fraction-start to --sft-fraction-end (linear, cosine or
-               step); step s is SFT iff floor(c(s) + u) > floor(c(s - 1) + u), c(s) = f(1) + ... + f(s), u ~ the seed.
+    SFT step:  completion-only cross-entropy on demonstrations (InstructGPT, arXiv:2203.02155, Sec. 3.5), as sft.py
+    PPO step:  ppo.py's (arXiv:1909.08593; N+, arXiv:2403.17031) with the value head in place of a value model:
+               sample and score, r_t = -beta KL_t + [t = last] s (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of
+               arXiv:1506.02438), clipped policy and value losses (Eq. 7, 9 of arXiv:1707.06347), the KL controller
+    Curriculum: the share f(s) of SFT steps moves from --sft-fraction-start to --sft-fraction-end; step s is SFT iff
+               floor(c(s) + u) > floor(c(s - 1) + u), c(s) = f(1) + ... + f(s), u ~ the seed.
 
 Run:
     python hybrid.py                                              # embedded: models/tiny-arith on data/arith
     python hybrid.py --sft-fraction-start 1 --sft-fraction-end 1  # SFT only (0 and 0: PPO only)
-    python hybrid.py --sft-split sft_noisy                        # 40% of the demonstrations make a slip
     python hybrid.py --reward my_spec.json --optimizer adafactor --lr-scheduler reduce_on_plateau
     python hybrid.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
         --max-completion-length 256 --max-length 512 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
     torchrun --nproc-per-node 2 hybrid.py                         # data parallel (gloo on CPU, nccl on GPU)
 
-Deviations and choices (why, and the measurements: docs/hybrid.md):
-- The value head is a zero-initialised linear layer on the policy's last hidden state, saved as value_head.safetensors
-  beside the model (ppo.py keeps a separate value model); final/ loads with AutoModelForCausalLM alone.
-- The default reward's `rouge_l` needs a demonstration (`target`): an RL split without that column takes the SFT
-  split's completion of the same prompt (from the whole split, also under --sft-limit).
-- One optimiser (the value head in its own parameter group) and one library schedule, stepped once per step of either
-  kind (reduce_on_plateau: on eval/accuracy). --total-steps shapes the curriculum, so it cannot change on resume.
-- Defaults fit the embedded model: 64 demonstrations or 64 prompts x 1 completion a step, lr 3e-4, 90% -> 30% SFT.
-- As ppo.py: token-mean losses per mini-batch, advantages whitened per process, log-probs of softmax(logits / T),
-  dropout off, the reference a frozen copy (LoRA: adapters off). An SFT step's loss is the global batch's token mean.
+Deviations (why, and the measurements: docs/hybrid.md):
+- The value head is a zero linear layer saved as value_head.safetensors beside the model (ppo.py: a value model).
+- The default reward's `rouge_l` needs a demonstration (`target`): taken from the SFT split's same prompt.
+- One optimiser and one schedule, stepped once per step of either kind (reduce_on_plateau: on eval/accuracy).
 - On the embedded task SFT alone beats this curriculum at equal time: the schedule is the experiment, not a claim.
 """
 
@@ -86,94 +75,93 @@ TORCH_SCHEDULERS = ("step", "multistep", "exponential", "onecycle", "cyclic", "r
 class Args:
     # --- curriculum
     sft_fraction_start: float = 0.9
-    """share of SFT steps at the first step, in [0, 1] (1 with --sft-fraction-end 1: SFT only)"""
+    """share of SFT steps at the first step, in [0, 1]"""
     sft_fraction_end: float = 0.3
-    """share of SFT steps at the last step, in [0, 1] (0 with --sft-fraction-start 0: PPO only)"""
+    """share of SFT steps at the last step, in [0, 1]"""
     curriculum: Literal["linear", "cosine", "step"] = "linear"
-    """how the share moves from start to end: linearly, along a half cosine, or at once half-way"""
+    """how the share moves: linearly, along a half cosine, or at once half-way"""
     sft_batch_size: int = 64
-    """demonstrations per SFT step (over all processes)"""
+    """demonstrations per SFT step, over all processes"""
 
     # --- algorithm (PPO steps)
     num_generations: int = 1
     """completions sampled per prompt"""
     prompts_per_step: int = 64
-    """prompts per PPO step (over all processes); the batch is prompts_per_step x num_generations completions"""
+    """prompts per PPO step, over all processes"""
     max_completion_length: int = 40
-    """most new tokens per completion (also the budget of the greedy evaluation)"""
+    """most new tokens per completion (also in the greedy evaluation)"""
     temperature: float = 0.7
     """sampling temperature; log-probs are those of the tempered distribution"""
     reward: str = DEFAULT_REWARD
-    """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file (also the {"REWARD": ...} form)"""
+    """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
     missing_eos_penalty: float = 0.0
-    """subtracted from the score of a completion that reaches --max-completion-length without EOS"""
+    """subtracted from the score of a completion without EOS"""
     beta: float = 0.05
-    """KL coefficient of the per-token reward -beta KL_t (the start value for the adaptive and step controllers)"""
+    """KL coefficient of the per-token reward -beta KL_t (the controllers' start value)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """per-token estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html (k1 = log pi - log pi_ref)"""
+    """per-token estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html"""
     kl_controller: Literal["fixed", "adaptive", "step"] = "fixed"
-    """fixed beta; adaptive (Ziegler et al. Sec. 2.2, needs --kl-target); step (x or / 1.5, needs --kl-target)"""
+    """fixed beta; adaptive (Ziegler et al. Sec. 2.2) or step (x or / 1.5), both need --kl-target"""
     kl_target: float = 0.0
-    """target batch KL (mean over completions of the summed per-token KL) for the adaptive and step controllers"""
+    """target batch KL (mean over completions of the summed per-token KL) of the adaptive and step controllers"""
     kl_horizon: int = 10000
-    """adaptive controller: completions over which beta moves by at most a factor e^0.2 (Ziegler's horizon)"""
+    """adaptive controller's horizon, in completions"""
     gamma: float = 1.0
-    """discount factor of the per-token rewards"""
+    """discount factor"""
     lam: float = 0.95
-    """GAE lambda (arXiv:1506.02438)"""
+    """GAE lambda"""
     whiten_advantages: bool = True
     """normalise advantages to mean 0, std 1 over the batch's real tokens"""
     whiten_rewards: bool = False
-    """scale the per-token rewards to std 1 over the batch's real tokens (mean kept) before GAE"""
+    """scale the per-token rewards to std 1 (mean kept) before GAE"""
     num_ppo_epochs: int = 1
     """passes over each batch of rollouts"""
     num_mini_batches: int = 1
-    """mini-batches per pass, one optimiser update each; must divide each process's completions"""
+    """mini-batches per pass, one update each"""
     clip_low: float = 0.2
-    """epsilon_low: the ratio is clipped below at 1 - clip_low"""
+    """the ratio is clipped below at 1 - clip_low"""
     clip_high: float = 0.2
-    """epsilon_high: the ratio is clipped above at 1 + clip_high"""
+    """the ratio is clipped above at 1 + clip_high"""
     cliprange_value: float = 0.2
-    """the new value may move at most this far from the rollout's value before its loss is clipped"""
+    """the value's clipping range around the rollout's value"""
     vf_coef: float = 0.1
     """weight of the value loss"""
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
     target_kl: Optional[float] = None
-    """stop a step's remaining epochs once an epoch's mean approximate KL(pi_old || pi) exceeds this (None: never)"""
+    """stop a step's epochs once an epoch's mean approximate KL(pi_old || pi) exceeds this (None: never)"""
     importance_sampling_cap: Optional[float] = None
-    """truncated importance sampling (TIS) of the sampler's mismatch: each token's loss times min(pi_old / pi_sampler,
-    cap), for backends whose numerics differ from the trainer's (bf16, compiled); None: off"""
+    """truncated importance sampling (TIS): each token's loss times min(pi_old / pi_sampler, cap) (None: off)"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
     """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
     dataset: str = "data/arith"
-    """local folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "train"
-    """split with the RL prompts (and the columns the reward needs)"""
+    """split with the RL prompts"""
     sft_split: str = "sft"
-    """split with the demonstrations (prompt and completion columns)"""
+    """split with the demonstrations"""
     eval_split: Optional[str] = "test"
-    """split with prompts and reference answers for greedy-decoding accuracy (None: no eval)"""
+    """split with prompts and answers for greedy-decoding accuracy (None: no eval)"""
     prompt_column: str = "prompt"
-    """column holding the prompt (a string, or a list of chat messages with --use-chat-template), in both splits"""
+    """column holding the prompt in both splits (text, or chat messages with --use-chat-template)"""
     completion_column: str = "completion"
-    """column of the SFT split holding the demonstration; rewards receive it as `target` (see the header)"""
+    """column of the SFT split holding the demonstration; rewards receive it as `target`"""
     answer_column: str = "answer"
     """column holding the reference answer; rewards receive it as `answer`"""
     sft_limit: int = 0
     """SFT steps see only the first this many demonstrations (0: all)"""
     use_chat_template: bool = False
-    """wrap each prompt in the tokenizer's chat template (instruct models)"""
+    """wrap each prompt in the tokenizer's chat template"""
     max_prompt_length: int = 256
     """prompts longer than this many tokens keep their last tokens"""
     max_length: int = 64
-    """longest prompt + demonstration in tokens in SFT steps; longer demonstrations are truncated"""
+    """longest prompt + demonstration in SFT steps, in tokens; longer ones are truncated"""
     eval_limit: int = 500
     """evaluate on at most this many eval examples"""
     lora_r: int = 0
-    """rank of LoRA adapters on every linear layer (0: all weights; the value head trains in full)"""
+    """rank of LoRA adapters on every linear layer (0: train all weights; the value head trains in full)"""
     lora_alpha: float = 32.0
     """LoRA scaling numerator (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
@@ -181,13 +169,13 @@ class Args:
 
     # --- optimisation
     optimizer: Literal[(*TORCH_OPTIMIZERS, *BNB_OPTIMIZERS)] = "adamw"
-    """torch's optimisers, transformers' Adafactor, or bitsandbytes' 8-bit / paged ones (`pip install bitsandbytes`)"""
+    """torch's optimisers, transformers' Adafactor, or bitsandbytes' 8-bit / paged ones"""
     learning_rate: float = 3e-4
-    """peak learning rate of the backbone and LM head"""
+    """peak learning rate of the language model"""
     value_head_lr: Optional[float] = None
     """peak learning rate of the value head (None: --learning-rate)"""
     adam_beta1: float = 0.9
-    """beta1 of the Adam-type optimisers and Lion (Adafactor's beta1; 0: none)"""
+    """beta1 of the Adam-type optimisers, Lion and Adafactor (0: none)"""
     adam_beta2: float = 0.99
     """beta2 of the Adam-type optimisers and Lion"""
     adam_epsilon: float = 1e-8
@@ -199,27 +187,27 @@ class Args:
     sgd_nesterov: bool = False
     """Nesterov momentum for SGD (needs --momentum > 0 and no dampening)"""
     rmsprop_alpha: float = 0.99
-    """smoothing constant of RMSprop's squared-gradient average"""
+    """smoothing constant of RMSprop"""
     rmsprop_centered: bool = False
-    """centred RMSprop (normalise by the gradient's estimated variance)"""
+    """centred RMSprop"""
     adagrad_lr_decay: float = 0.0
     """Adagrad's learning-rate decay"""
     adagrad_initial_accumulator: float = 0.0
     """Adagrad's initial accumulator value"""
     total_steps: int = 400
-    """training steps of either kind; they shape the curriculum and the lr schedule, so cannot change on --resume"""
+    """training steps of either kind (fixed on --resume: they shape the curriculum)"""
     micro_batch_size: int = 0
-    """rows per forward/backward pass, length-sorted, gradients accumulated (0: largest divisor up to 128)"""
+    """rows per forward/backward pass (0: largest divisor up to 128)"""
     lr_scheduler: Literal[HF_SCHEDULERS + TORCH_SCHEDULERS] = "cosine"
-    """transformers.get_scheduler's schedules, or torch's (reduce_on_plateau: on eval/accuracy at each evaluation)"""
+    """transformers.get_scheduler's schedules or torch's (reduce_on_plateau: on eval/accuracy)"""
     warmup_steps: int = 20
     """linear warmup steps of the transformers schedules"""
     warmup_ratio: float = 0.0
-    """warmup as a share of --total-steps, used when --warmup-steps is 0 (as transformers' Trainer)"""
+    """warmup as a share of --total-steps when --warmup-steps is 0"""
     lr_step_size: int = 100
-    """steps between decays (step), of the rising half-cycle (cyclic), of a cycle (cosineannealing_warm_restarts)"""
+    """steps between decays (step), of a half-cycle (cyclic), of a cycle (cosineannealing_warm_restarts)"""
     lr_decay: float = 0.5
-    """step, multistep, exponential: the lr factor of each decay; reduce_on_plateau: the factor on a plateau"""
+    """the lr factor of each decay (step, multistep, exponential) or on a plateau (reduce_on_plateau)"""
     lr_milestones: tuple[int, ...] = (200, 300)
     """multistep: steps at which the lr decays"""
     lr_num_cycles: int = 1
@@ -231,17 +219,17 @@ class Args:
     weight_decay: float = 0.0
     """weight decay (decoupled for AdamW)"""
     max_grad_norm: float = 1.0
-    """gradient clipping by global norm, for the language model and the value head each on its own"""
+    """gradient clipping by global norm, for the language model and the value head each"""
 
     # --- logging / checkpointing
     log_every: int = 1
-    """steps between rows of metrics.jsonl (and printed lines when the output is not a terminal)"""
+    """steps between rows of metrics.jsonl"""
     eval_every: int = 50
     """steps between greedy evaluations (0: only at start and end)"""
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
+    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     num_sample_completions: int = 8
     """completions per logging step in the --track table"""
     output_dir: str = "runs"
@@ -253,16 +241,15 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
     generation_backend: Literal["shared", "static"] = "shared"
-    """shared: generate, each group's prompt prefilled once (fastest on CPU); static: a static KV cache (compiled on
-    CUDA); see docs/ppo.md"""
+    """shared: generate, each prompt prefilled once; static: a static KV cache (compiled on CUDA)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
+    """under torchrun, shard weights, gradients and optimiser states (FSDP2) instead of DDP"""
     exp_name: str = "hybrid"
     """name of this experiment, part of the run directory name"""
     seed: int = 1
-    """seed of python, numpy and torch, of the data orders and of the curriculum's step kinds"""
+    """seed of python, numpy and torch, of the data orders and of the curriculum"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
@@ -369,35 +356,33 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over the real entries, unbiased variance (as TRL; N+ uses the biased one);
-    shift_mean=False adds the mean back. x, mask: [B, T] -> [B, T], 0 on padding."""
+    """(x - mean) / std over the real entries, unbiased variance (as TRL); shift_mean=False adds the mean back.
+    x, mask: [B, T] -> [B, T], 0 on padding."""
     mean = masked_mean(x, mask)
     n = mask.sum()
     var = masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1.0)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened * mask
+    return (whitened if shift_mean else whitened + mean) * mask
 
 
 def penalise_missing_eos(scores: torch.Tensor, truncated: torch.Tensor, penalty: float) -> torch.Tensor:
-    """scores [B], truncated [B] bool (no EOS within the length limit) -> scores minus `penalty` where truncated."""
+    """scores [B] less `penalty` where truncated [B] (no EOS within the length limit)."""
     return scores - penalty * truncated.float()
 
 
 def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """-kl_coef KL_t at every real token, plus the score at the last one (Eq. 2 of arXiv:2203.02155 per token, as N+).
-    scores: [B], kl, mask: [B, T] (1 up to and including the last real token) -> rewards [B, T], 0 on padding."""
+    scores: [B]; kl, mask: [B, T] -> rewards [B, T], 0 on padding."""
     rewards = -kl_coef * kl * mask
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-    rewards[torch.arange(len(scores)), last] += scores * (mask.sum(dim=1) > 0)
+    lengths = mask.sum(dim=1).long()
+    rewards[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] += scores * (lengths > 0)
     return rewards
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 16 of arXiv:1506.02438: delta_t = r_t + gamma V_t+1 - V_t, A_t = delta_t + gamma lam A_t+1, V = A = 0 after
-    the last real token; R_t = A_t + V_t. rewards, values, mask: [B, T] -> (advantages, returns) [B, T]."""
+    """Eq. 16 of arXiv:1506.02438, V = A = 0 after the last real token; R_t = A_t + V_t.
+    rewards, values, mask: [B, T] -> (advantages, returns) [B, T]."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     next_value = next_advantage = torch.zeros_like(rewards[:, 0])
@@ -411,8 +396,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO2's clipped value loss (kept by N+): 0.5 max((V - R)^2, (V_old + clip(V - V_old, +-eps) - R)^2) per token,
-    then the mean. values, old_values, returns, mask: [B, T] -> (loss, share of tokens where the clipped term won)."""
+    """PPO2's clipped value loss (kept by N+), 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token mean.
+    values, old_values, returns, mask: [B, T] -> (loss, share of tokens where the clipped term won)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped - returns) ** 2
@@ -421,10 +406,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 class KLController:
-    """The KL coefficient beta, updated once per step from the batch's KL.
-    fixed: beta stays. adaptive (Sec. 2.2 of arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, +-0.2) n / horizon,
-    n = completions in the batch. step (Sec. 4 of arXiv:1707.06347, 1.5 for its 2): beta x 1.5 when KL > 1.5 target,
-    / 1.5 when KL < target / 1.5."""
+    """The KL coefficient beta, updated once per step from the batch's KL; n = completions in the batch.
+    adaptive (Sec. 2.2 of arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, +-0.2) n / horizon.
+    step (Sec. 4 of arXiv:1707.06347, 1.5 for its 2): beta x 1.5 above 1.5 target, / 1.5 below target / 1.5."""
 
     def __init__(self, kind: str, beta: float, target: float = 0.0, horizon: int = 10000):
         self.kind, self.value, self.target, self.horizon = kind, beta, target, horizon
@@ -446,8 +430,7 @@ class KLController:
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over real tokens (1: a perfect critic, 0: a constant's fit; nan if R is constant).
-    values, returns, mask: [B, T] -> float."""
+    """1 - Var(R - V) / Var(R) over real tokens (nan if R is constant). values, returns, mask: [B, T] -> float."""
     def variance(x):
         return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
     var_returns = variance(returns)
@@ -481,9 +464,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 class PolicyWithValueHead(torch.nn.Module):
-    """The language model and a value head on its backbone, as DDP and FSDP2 see them (one forward, one gradient
-    synchronisation). A PPO forward gives the completion tokens' log-probs, entropies and values from one pass; an SFT
-    forward (labels given) the summed NLL of the labelled tokens and their count."""
+    """The language model and a value head on its backbone as one module for DDP and FSDP2. PPO forward: the completion
+    tokens' (logp, entropy, values); SFT forward (labels given): the labelled tokens' summed NLL and count."""
 
     def __init__(self, policy, value_head: torch.nn.Linear):
         super().__init__()
@@ -503,8 +485,7 @@ class PolicyWithValueHead(torch.nn.Module):
                                        with_entropy=True, **lm_head(self.policy, hidden.dtype)), values)
 
     def save_pretrained(self, path, state_dict: Optional[dict] = None, **kwargs) -> None:
-        """The language model as its save_pretrained writes it, and value_head.safetensors beside it. state_dict:
-        both, gathered (--fsdp)."""
+        """The language model, and value_head.safetensors beside it. state_dict: both, gathered (--fsdp)."""
         state_dict = state_dict or {f"value_head.{k}": v for k, v in self.value_head.state_dict().items()}
         policy = {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
         self.policy.save_pretrained(path, state_dict=policy or None, **kwargs)
@@ -560,8 +541,8 @@ def load_tokenizer(name: str):
 
 
 def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
-    """The split's prompts tokenised once (over-long ones keep their last tokens) and the columns the reward reads
-    ({name: column}) -> {"ids", "prompts", "texts", "columns"}."""
+    """The split's prompts tokenised once (keeping the last --max-prompt-length tokens), and the columns the reward
+    reads ({name: column}) -> {"ids", "prompts", "texts", "columns"}."""
     prompts = list(split[args.prompt_column])
     texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
     ids = [p[-args.max_prompt_length:] for p in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -607,8 +588,7 @@ class DataOrder:
 @torch.no_grad()
 def ppo_rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: str, eos_ids, reward, autocast,
                 timing: dict) -> dict:
-    """Step 1 for the prompts `rows` (Sec. 2 of arXiv:1909.08593): sample (one batched generate) and score.
-    data: rl_prompts' -> the rollout batch."""
+    """Step 1 for the prompts `rows` of rl_prompts' data: sample (one batched generate) and score."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
@@ -635,31 +615,29 @@ def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torc
 
 
 def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
-    """pi_ref's log-probs: a frozen copy of the initial policy, or with LoRA the policy with its adapters off.
-    inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
-    if ref_model is not None:  # Forward(completion_logprobs, the copy)
+    """pi_ref's log-probs: the frozen copy's, or with LoRA the policy's with its adapters off."""
+    if ref_model is not None:
         return ref_model(*inputs, temperature)
     with model.disable_adapter():
         return completion_logprobs(model, *inputs, temperature)
 
 
 def ppo_micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, tuple, int]]:
-    """`rows` in length-sorted micro-batches of `size`, each trimmed to its widest prompt and completion
+    """`rows` in length-sorted micro-batches, each trimmed to its widest prompt and completion
     -> [(rows, (input_ids, attention_mask, prompt_width), completion width)]."""
     width, out = batch["prompt_ids"].shape[1], []
-    masks = (batch["prompt_mask"][rows], batch["completion_mask"][rows])
-    for sub, first, end in length_sorted_micro_batches(*masks, size):
+    for sub, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows],
+                                                       size):
         r = rows[sub]
-        inputs = (batch["ids"][r, first : width + end], batch["attention"][r, first : width + end], width - first)
-        out.append((r, inputs, end))
+        out.append((r, (batch["ids"][r, first : width + end], batch["attention"][r, first : width + end],
+                        width - first), end))
     return out
 
 
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
-    """pi_old's and (beta > 0) pi_ref's log-probs and V_old at every completion token; with
-    --importance-sampling-cap the TIS weights. -> the batch and "ids", "attention", "old_logp", "ref_logp",
-    "old_values" (, "tis", "tis_capped")."""
+    """pi_old's and (beta > 0) pi_ref's log-probs and V_old at every completion token, and the TIS weights
+    -> the batch with "ids", "attention", "old_logp", "ref_logp", "old_values" (, "tis", "tis_capped")."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -677,9 +655,8 @@ def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, ar
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
-    """Steps 2-3: scores less the missing-EOS penalty, KL_t(pi_old || pi_ref), rewards -kl_coef KL_t + [last] score
-    (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of arXiv:1506.02438), whitening -> {"scores" [B], "kl", "advantages",
-    "returns" [B, T]}."""
+    """Steps 2-3: per-token rewards from the scores and KL_t (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of
+    arXiv:1506.02438), whitening -> {"scores" [B], "kl", "advantages", "returns" [B, T]}."""
     mask = batch["completion_mask"]
     scores = batch["rewards"]["total"].to(mask.device)
     scores = penalise_missing_eos(scores, batch["truncated"], args.missing_eos_penalty)
@@ -699,16 +676,15 @@ PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "appro
 
 
 def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast) -> dict:
-    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each (the policy's
-    and the value parameter groups each clipped to --max-grad-norm): the clipped policy loss (Eq. 7 of
-    arXiv:1707.06347) times the TIS weights, the clipped value loss and the entropy bonus (Eq. 9), token means over
-    the mini-batch; --target-kl stops the epochs. -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
+    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each: the clipped
+    policy loss (Eq. 7 of arXiv:1707.06347) times the TIS weights, the clipped value loss and the entropy bonus
+    (Eq. 9), token means over the mini-batch -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
     mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
     sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
     for epoch in range(args.num_ppo_epochs):
         epoch_kl = torch.zeros(2, device=mask.device)  # approximate-KL token sum, tokens
         for rows in torch.randperm(len(mask)).to(mask.device).split(len(mask) // args.num_mini_batches):
-            chunks, n_tokens = ppo_micro_batches(batch, rows, micro), mask[rows].sum()
+            chunks = ppo_micro_batches(batch, rows, micro)
             for k, (r, inputs, end) in enumerate(chunks):
                 m, old_logp = mask[r, :end], batch["old_logp"][r, :end]
                 with (actor_critic.no_sync() if ddp and k < len(chunks) - 1 else torch.enable_grad()), autocast:
@@ -720,8 +696,8 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
                     vf_loss, vf_clipped = value_loss(values, batch["old_values"][r, :end], batch["returns"][r, :end], m,
                                                      args.cliprange_value)
                     pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
-                    share = m.sum() / n_tokens  # this micro-batch's part of the mini-batch's token mean
-                    ((pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent) * share).backward()
+                    loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent
+                    (loss * m.sum() / mask[rows].sum()).backward()  # its share of the mini-batch's token mean
                 log_ratio = logp.detach() - old_logp
                 approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, m)  # k3 of KL(pi_old || pi)
                 tokens = float(m.sum())
@@ -743,24 +719,23 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
 def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, args) -> dict:
     """The step's metrics over all processes: rewards per component, KL, losses, clipping, the critic's fit."""
     mask = batch["completion_mask"]
-    lengths = mask.sum(dim=1)
-    n_capped = float(batch["tis_capped"].sum()) if "tis" in batch else 0.0
-    local = torch.tensor([*(stats[k] for k in PPO_STATS), stats["tokens"], float(lengths.sum()),
-                          float(batch["truncated"].sum()), len(lengths),
-                          explained_variance(batch["old_values"], batch["returns"], mask), n_capped],
-                         device=mask.device)
-    if run.ddp:
-        dist.all_reduce(local)
-    sums = dict(zip((*PPO_STATS, "tokens", "length", "truncated", "n", "explained_variance", "capped"), local.tolist()))
+    local = {k: stats[k] for k in (*PPO_STATS, "tokens")}
+    local["length"] = mask.sum()
+    local["truncated"] = batch["truncated"].sum()
+    local["n"] = len(mask)
+    local["explained_variance"] = explained_variance(batch["old_values"], batch["returns"], mask) / run.world
+    local["capped"] = batch["tis_capped"].sum() if "tis" in batch else 0
+    totals = run.gather(torch.tensor([[float(v) for v in local.values()]], device=mask.device)).sum(0)
+    sums = dict(zip(local, totals.tolist()))
     means = {f"train/{k}": sums[k] / max(sums["tokens"], 1) for k in PPO_STATS}
-    loss = means["train/policy_loss"] + args.vf_coef * means["train/value_loss"] - args.entropy_coef * means[
-        "train/entropy"]
+    loss = means["train/policy_loss"] + args.vf_coef * means["train/value_loss"]
     rewards = {f"rewards/{k}": float(run.gather(v.to(mask.device)).mean()) for k, v in batch["rewards"].items()}
-    return {"train/loss": loss, "train/reward": rewards.pop("rewards/total"), **rewards,
+    return {"train/loss": loss - args.entropy_coef * means["train/entropy"],
+            "train/reward": rewards.pop("rewards/total"), **rewards,
             "train/score": float(run.gather(batch["scores"]).mean()), "train/kl": batch_kl, "train/kl_coef": kl_coef,
             "train/non_score_reward": -kl_coef * batch_kl, **means,
-            "train/explained_variance": sums["explained_variance"] / run.world,
-            "train/value_mean": float(masked_mean(batch["old_values"], mask)), "train/grad_norm": stats["grad_norm"],
+            "train/explained_variance": sums["explained_variance"], "train/value_mean":
+            float(masked_mean(batch["old_values"], mask)), "train/grad_norm": stats["grad_norm"],
             "train/value_grad_norm": stats["value_grad_norm"], "train/ppo_epochs": stats["ppo_epochs"],
             "train/completion_length": sums["length"] / sums["n"],
             "train/truncated_frac": sums["truncated"] / sums["n"],
@@ -811,71 +786,63 @@ def broadcast_lr(optimizer, device) -> None:
 
 def make_optimizer(name: str, param_groups: list[dict], args: Args) -> torch.optim.Optimizer:
     """The optimiser called `name` over param_groups (each with its "lr"), with the flags' hyperparameters."""
-    betas, eps, wd = (args.adam_beta1, args.adam_beta2), args.adam_epsilon, args.weight_decay
-    if name == "adamw":
-        return torch.optim.AdamW(param_groups, betas=betas, eps=eps, weight_decay=wd)
-    if name == "adam":
-        return torch.optim.Adam(param_groups, betas=betas, eps=eps, weight_decay=wd)
-    sgd = dict(momentum=args.momentum, dampening=args.sgd_dampening, nesterov=args.sgd_nesterov)
-    rmsprop = dict(alpha=args.rmsprop_alpha, eps=eps, momentum=args.momentum, centered=args.rmsprop_centered)
-    adagrad = dict(lr_decay=args.adagrad_lr_decay, initial_accumulator_value=args.adagrad_initial_accumulator, eps=eps)
-    if name == "sgd":
-        return torch.optim.SGD(param_groups, weight_decay=wd, **sgd)
-    if name == "rmsprop":
-        return torch.optim.RMSprop(param_groups, weight_decay=wd, **rmsprop)
-    if name == "adagrad":
-        return torch.optim.Adagrad(param_groups, weight_decay=wd, **adagrad)
-    if name == "adafactor":  # a fixed lr (the schedule's), not Adafactor's own relative step size
+    betas, eps = (args.adam_beta1, args.adam_beta2), args.adam_epsilon
+    family_kwargs = {
+        "sgd": dict(momentum=args.momentum, dampening=args.sgd_dampening, nesterov=args.sgd_nesterov),
+        "rmsprop": dict(alpha=args.rmsprop_alpha, eps=eps, momentum=args.momentum, centered=args.rmsprop_centered),
+        "adagrad": dict(lr_decay=args.adagrad_lr_decay, initial_accumulator_value=args.adagrad_initial_accumulator,
+                        eps=eps),
+        # a fixed lr (the schedule's), not Adafactor's own relative step size
+        "adafactor": dict(beta1=args.adam_beta1 or None, scale_parameter=False, relative_step=False, warmup_init=False),
+        "lion": dict(betas=betas),
+        "ademamix": dict(eps=eps)}  # AdEMAMix keeps its own three betas
+    family = next(w for w in name.split("_") if w != "paged")  # paged_adamw_8bit -> adamw
+    kwargs = dict(weight_decay=args.weight_decay, **family_kwargs.get(family, dict(betas=betas, eps=eps)))
+    if name == "adafactor":
         from transformers import Adafactor
 
-        return Adafactor(param_groups, beta1=args.adam_beta1 or None, weight_decay=wd, scale_parameter=False,
-                         relative_step=False, warmup_init=False)
-    if name in BNB_OPTIMIZERS:
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ValueError(f"--optimizer {name} needs the bitsandbytes package: `pip install bitsandbytes` (a CUDA "
-                             f"GPU), or choose one of {', '.join(TORCH_OPTIMIZERS)}") from None
-        family = next(w for w in name.split("_") if w != "paged")  # AdEMAMix keeps its own three betas
-        kw = {"sgd": sgd, "rmsprop": rmsprop, "adagrad": adagrad, "lion": dict(betas=betas), "ademamix": dict(eps=eps)}
-        return getattr(bnb.optim, BNB_OPTIMIZERS[name])(param_groups, lr=param_groups[0]["lr"], weight_decay=wd,
-                                                        **kw.get(family, dict(betas=betas, eps=eps)))
-    raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {', '.join([*TORCH_OPTIMIZERS, *BNB_OPTIMIZERS])}")
+        return Adafactor(param_groups, **kwargs)
+    if name in TORCH_OPTIMIZERS:
+        return getattr(torch.optim, BNB_WORDS[name])(param_groups, **kwargs)
+    if name not in BNB_OPTIMIZERS:
+        valid = ", ".join([*TORCH_OPTIMIZERS, *BNB_OPTIMIZERS])
+        raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {valid}")
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ValueError(f"--optimizer {name} needs the bitsandbytes package: `pip install bitsandbytes` (a CUDA "
+                         f"GPU), or choose one of {', '.join(TORCH_OPTIMIZERS)}") from None
+    return getattr(bnb.optim, BNB_OPTIMIZERS[name])(param_groups, lr=param_groups[0]["lr"], **kwargs)
 
 
 def make_scheduler(name: str, optimizer: torch.optim.Optimizer, args: Args):
-    """The learning-rate schedule called `name`, from transformers.get_scheduler or torch.optim.lr_scheduler.
-    Stepped once per training step, except reduce_on_plateau: once per evaluation, with eval/accuracy."""
-    from torch.optim import lr_scheduler
-
-    peak = [group["lr"] for group in optimizer.param_groups]
+    """The lr schedule called `name`, from transformers.get_scheduler or torch.optim.lr_scheduler."""
     if name in HF_SCHEDULERS:
         from transformers import get_scheduler
 
-        name, warmup = {"poly": "polynomial", "none": "constant"}.get(name, name), args.warmup_steps or math.ceil(
-            args.warmup_ratio * args.total_steps)
+        name = {"poly": "polynomial", "none": "constant"}.get(name, name)
+        warmup = args.warmup_steps or math.ceil(args.warmup_ratio * args.total_steps)
         extra = {"cosine_with_restarts": {"num_cycles": args.lr_num_cycles}, "polynomial": {"power": args.lr_power}}
         return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=args.total_steps,
                              scheduler_specific_kwargs=extra.get(name))
-    if name == "cosineannealing":
-        return lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.total_steps)
-    if name == "cosineannealing_warm_restarts":
-        return lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=args.lr_step_size)
-    if name == "step":
-        return lr_scheduler.StepLR(optimizer, step_size=args.lr_step_size, gamma=args.lr_decay)
-    if name == "multistep":
-        return lr_scheduler.MultiStepLR(optimizer, milestones=list(args.lr_milestones), gamma=args.lr_decay)
-    if name == "exponential":
-        return lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
-    if name == "onecycle":  # the lr only: cycling momentum would switch SGD's on and break Adagrad and Adafactor
-        return lr_scheduler.OneCycleLR(optimizer, max_lr=peak, total_steps=args.total_steps + 1, cycle_momentum=False)
-    if name == "cyclic":  # between a tenth of the peak and the peak
-        return lr_scheduler.CyclicLR(optimizer, base_lr=[lr / 10 for lr in peak], max_lr=peak,
-                                     step_size_up=args.lr_step_size, cycle_momentum=False)
-    if name == "reduce_on_plateau":
-        return lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=args.lr_decay,
-                                              patience=args.plateau_patience)
-    raise ValueError(f"unknown lr scheduler {name!r}; valid schedulers: {', '.join(HF_SCHEDULERS + TORCH_SCHEDULERS)}")
+    peak = [group["lr"] for group in optimizer.param_groups]
+    torch_schedulers = {
+        "cosineannealing": ("CosineAnnealingLR", dict(T_max=args.total_steps)),
+        "cosineannealing_warm_restarts": ("CosineAnnealingWarmRestarts", dict(T_0=args.lr_step_size)),
+        "step": ("StepLR", dict(step_size=args.lr_step_size, gamma=args.lr_decay)),
+        "multistep": ("MultiStepLR", dict(milestones=list(args.lr_milestones), gamma=args.lr_decay)),
+        "exponential": ("ExponentialLR", dict(gamma=args.lr_decay)),
+        # the lr only: cycling momentum would switch SGD's on and break Adagrad and Adafactor
+        "onecycle": ("OneCycleLR", dict(max_lr=peak, total_steps=args.total_steps + 1, cycle_momentum=False)),
+        "cyclic": ("CyclicLR", dict(base_lr=[lr / 10 for lr in peak], max_lr=peak, step_size_up=args.lr_step_size,
+                                    cycle_momentum=False)),
+        "reduce_on_plateau": ("ReduceLROnPlateau", dict(mode="max", factor=args.lr_decay,
+                                                        patience=args.plateau_patience))}
+    if name not in torch_schedulers:
+        valid = ", ".join(HF_SCHEDULERS + TORCH_SCHEDULERS)
+        raise ValueError(f"unknown lr scheduler {name!r}; valid schedulers: {valid}")
+    cls, kwargs = torch_schedulers[name]
+    return getattr(torch.optim.lr_scheduler, cls)(optimizer, **kwargs)
 
 
 def load_policy_and_value_head(args, device, tokenizer):
@@ -918,16 +885,14 @@ def demonstrations(args, tokenizer, sft) -> list[tuple[list[int], list[int]]]:
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
-    #    up processes, device and seeds.
+    # 0. Check every input before any work (a resumed run takes its own arguments), then set up processes and seeds.
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro, sft_micro = check_args(args)
     reward = make_reward(args.reward)
     run = Run(args, overrides, shown=("train/reward", "train/sft_loss", "eval/accuracy", "train/kl"))
     device, rank, world, G = run.device, run.rank, run.world, args.num_generations
 
-    # 1. Data: the demonstrations (the prompt masked); the RL prompts, tokenised once, and the reward's columns (the
-    #    demonstration as `target` when the RL split has none); the eval prompts and answers.
+    # 1. Data: the demonstrations; the RL prompts and the reward's columns (`target`: the demonstration); the eval.
     tokenizer = load_tokenizer(args.model_name_or_path)
     sft = load_split(args, "sft_split", [args.prompt_column, args.completion_column],
                      "--sft-split, --prompt-column or --completion-column")
@@ -956,9 +921,8 @@ def main(args: Args) -> dict:
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
 
-    # 3. Optimiser by name (a parameter group each for the language model and the value head), schedule, KL
-    #    controller, the curriculum's step kinds and the data orders (RL prompts: one per process; demonstrations:
-    #    the same everywhere, each process keeps its share); on --resume all their states.
+    # 3. Optimiser (a parameter group for the value head), schedule, KL controller, the curriculum's step kinds, the
+    #    data orders (demonstrations: the same everywhere, each process keeps its share); on --resume their states.
     policy_params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(args.optimizer, [{"params": policy_params, "lr": args.learning_rate}, {
         "params": list(value_head.parameters()), "lr": args.value_head_lr or args.learning_rate}], args)
@@ -1005,9 +969,8 @@ def main(args: Args) -> dict:
             if run.ddp and args.lr_scheduler == "reduce_on_plateau":  # every process takes rank 0's lr
                 broadcast_lr(optimizer, device)
             lr = optimizer.param_groups[0]["lr"]  # the rate of this step's updates (logged below)
-            # 4a. The curriculum picks the step's kind: SFT on a batch of demonstrations (one optimiser update), or a
-            #     PPO step: roll out a completion (or G) for each prompt from pi_old and score it (Sec. 2 of
-            #     arXiv:1909.08593), then advantages, PPO epochs and the KL controller (steps 2-5 of the header).
+            # 4a. The curriculum picks the step's kind: SFT on a batch of demonstrations, or PPO: roll out and score
+            #     (Sec. 2 of arXiv:1909.08593), then advantages, PPO epochs and the KL controller.
             if kinds[step - 1]:
                 t_train = time.perf_counter()
                 demos = [examples[i] for i in sft_order.draw(args.sft_batch_size)]
@@ -1027,8 +990,7 @@ def main(args: Args) -> dict:
             timing["step"] += time.perf_counter() - t_step
             tokens += n_tokens
 
-            # 4b. Log the step's kind and the curriculum's share; SFT: the loss; PPO: rewards per component, KL,
-            #     losses, clipping, the critic's fit; timings.
+            # 4b. Log the step's kind, the curriculum's share, the step's metrics and timings.
             if step % args.log_every == 0 or step == args.total_steps:
                 share = sft_fraction(step, args.total_steps, args.sft_fraction_start, args.sft_fraction_end,
                                      args.curriculum)
@@ -1055,7 +1017,7 @@ def check_args(args: Args) -> tuple[int, int]:
     """Every check that needs no model or data loading, before any work; -> a process's micro-batches (PPO, SFT)."""
     check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
                         "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
-                        "sft_batch_size", "max_length", "lr_step_size", "learning_rate"),
+                        "sft_batch_size", "max_length", "lr_step_size", "learning_rate", "temperature"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "num_sample_completions",
                   "micro_batch_size", "sft_limit", "plateau_patience", "beta", "clip_high", "cliprange_value",
                   "vf_coef", "entropy_coef"), (args.model_name_or_path,))
@@ -1087,7 +1049,6 @@ def check_ppo_args(args) -> int:
             (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
             (per_process % args.num_mini_batches, f"--num-mini-batches must divide each process's {per_process} "
                                                   f"completions (--prompts-per-step / processes x --num-generations)"),
-            (not args.temperature > 0, "--temperature must be positive"),
             (args.kl_controller != "fixed" and not (args.kl_target > 0 and args.beta > 0),
              f"--kl-controller {args.kl_controller} needs a positive --kl-target (e.g. 1.0) and --beta"),
             (not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1),

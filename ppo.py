@@ -2,38 +2,25 @@
 
 The RLHF loop of Ziegler et al. (arXiv:1909.08593) and InstructGPT (arXiv:2203.02155), following "The N+
 Implementation Details of RLHF with PPO" (arXiv:2403.17031, "N+"):
-    1. sample a completion o of each prompt q from pi_old, score it: s = R(q, o) (- the missing-EOS penalty)
-    2. per-token reward r_t = -beta KL_t + [t = last token] s, KL_t = log pi_old(o_t) - log pi_ref(o_t)  (Eq. 2 of
-       arXiv:2203.02155, over tokens)
-    3. GAE: delta_t = r_t + gamma V_t+1 - V_t, A_t = sum_l (gamma lam)^l delta_t+l, R_t = A_t + V_t  (Eq. 16 of
-       arXiv:1506.02438)
-    4. epochs of shuffled mini-batches minimising (Eq. 7 and 9 of arXiv:1707.06347)
-         -min(rho A, clip(rho, 1-eps, 1+eps) A) + vf_coef 0.5 max((V-R)^2, (clip(V, V_old +- eps_v) - R)^2) - ent_coef H
-    5. adapt beta to the batch's KL (Sec. 2.2 of arXiv:1909.08593).
+    1. sample a completion o of each prompt q from pi_old and score it: s = R(q, o)
+    2. r_t = -beta KL_t + [t = last token] s, KL_t = log pi_old(o_t) - log pi_ref(o_t)  (Eq. 2 of arXiv:2203.02155)
+    3. GAE advantages A_t, returns R_t = A_t + V_t  (Eq. 16 of arXiv:1506.02438)
+    4. epochs of mini-batches: clipped surrogate, clipped value loss, entropy bonus  (Eq. 7, 9 of arXiv:1707.06347)
+    5. adapt beta to the batch's KL  (Sec. 2.2 of arXiv:1909.08593)
 
 Run:
     python ppo.py                                                 # models/tiny-arith on data/arith, CPU
-    python ppo.py --kl-controller adaptive --kl-target 1.0        # Ziegler's adaptive KL coefficient
     python ppo.py --reward rm.json      # a learned reward model: {"type": "reward_model", "model": "runs/<rm>/final"}
     python ppo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
         --max-completion-length 512 --prompts-per-step 64 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
     torchrun --nproc-per-node 2 ppo.py                            # data parallel (gloo on CPU, nccl on GPU)
 
-Deviations and choices (why, and the measurements: docs/ppo.md):
-- The value model is a separate network (as N+), the policy's backbone with a zero scalar head (V = 0 at the start)
-  unless --value-model-name-or-path has a head; V_t is read at the hidden state that predicts token t; V = 0 after
-  the last real token.
-- Defaults fit the 0.9M-parameter embedded model: 128 prompts x 1 completion, 2 epochs of one mini-batch,
-  temperature 0.7, lr 1e-4 (policy) and 1e-3 (value), warmup 30 and cosine decay, fixed beta 0.05 with k1.
-- One step = one batch of rollouts, then --num-ppo-epochs x --num-mini-batches AdamW updates of both models (each
-  clipped on its own); losses are token means over the mini-batch; the lr schedule advances once a step.
-- --target-kl stops a step's remaining epochs once an epoch's mean k3 KL(pi_old || pi) exceeds it (as CleanRL).
-- train/kl and the controller's KL: the batch mean of each completion's summed per-token KL (as N+).
-- --kl-controller step: x1.5 above 1.5 target, /1.5 below target / 1.5 (Sec. 4 of arXiv:1707.06347, 1.5 for 2).
-- Log-probs are of softmax(logits / T), the distribution sampled from (N+); advantages (and with --whiten-rewards,
-  rewards) are whitened per process over real tokens, unbiased variance.
-- Dropout is off; over-long prompts keep their last tokens; with --lora-r both models get adapters (the value head
-  trains in full) and the reference is the policy with its adapters off.
+Deviations (why, and the measurements: docs/ppo.md):
+- The value model is a separate network (as N+) with a zero scalar head, so V = 0 at the start.
+- Defaults fit the 0.9M-parameter embedded model: 128 prompts, 2 epochs, lr 1e-4 (value 1e-3), fixed beta 0.05, k1.
+- --target-kl stops a step's epochs early (as CleanRL); --kl-controller step moves beta by 1.5 (the PPO paper: 2).
+- Log-probs are of softmax(logits / T), the distribution sampled from (N+); advantages are whitened per process.
+- With --lora-r both models get adapters and the reference is the policy with its adapters off.
 """
 
 import contextlib
@@ -72,57 +59,55 @@ class Args:
     num_generations: int = 1
     """completions sampled per prompt"""
     prompts_per_step: int = 128
-    """prompts per training step (over all processes); a batch holds prompts_per_step x num_generations completions"""
+    """prompts per training step, over all processes"""
     max_completion_length: int = 40
-    """most new tokens per completion (also the budget of the greedy evaluation)"""
+    """most new tokens per completion (also in the greedy evaluation)"""
     temperature: float = 0.7
     """sampling temperature; log-probs are those of the tempered distribution"""
     reward: str = DEFAULT_SPEC
     """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
     center_scores_per_prompt: bool = False
-    """subtract from each score its prompt's mean score (a Bradley-Terry reward model's scores are fixed only up to a
-    constant per prompt); needs --num-generations 2 or more"""
+    """subtract from each score its prompt's mean score (for Bradley-Terry reward models; needs G >= 2)"""
     gold_reward: Optional[str] = None
-    """a reward spec logged as rewards/gold, never trained on: the true reward a learned --reward stands in for"""
+    """a reward spec logged as rewards/gold and never trained on (what a learned --reward stands in for)"""
     missing_eos_penalty: float = 0.0
-    """subtracted from the score of a completion that reaches --max-completion-length without EOS"""
+    """subtracted from the score of a completion without EOS"""
     beta: float = 0.05
-    """KL coefficient of the per-token reward -beta KL_t (the start value for the adaptive and step controllers)"""
+    """KL coefficient of the per-token reward -beta KL_t (the controllers' start value)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """per-token estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html (k1 = log pi - log pi_ref)"""
+    """per-token estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html"""
     kl_controller: Literal["fixed", "adaptive", "step"] = "fixed"
-    """fixed beta; adaptive (Ziegler et al. Sec. 2.2, needs --kl-target); step (x or / 1.5, needs --kl-target)"""
+    """fixed beta; adaptive (Ziegler et al. Sec. 2.2) or step (x or / 1.5), both need --kl-target"""
     kl_target: float = 0.0
-    """target batch KL (mean over completions of the summed per-token KL) for the adaptive and step controllers"""
+    """target batch KL (mean over completions of the summed per-token KL) of the adaptive and step controllers"""
     kl_horizon: int = 10000
-    """adaptive controller: completions over which beta moves by at most a factor e^0.2 (Ziegler's horizon)"""
+    """adaptive controller's horizon, in completions"""
     gamma: float = 1.0
-    """discount factor of the per-token rewards"""
+    """discount factor"""
     lam: float = 0.95
-    """GAE lambda (arXiv:1506.02438)"""
+    """GAE lambda"""
     whiten_advantages: bool = True
     """normalise advantages to mean 0, std 1 over the batch's real tokens"""
     whiten_rewards: bool = False
-    """scale the per-token rewards to std 1 over the batch's real tokens (mean kept) before GAE"""
+    """scale the per-token rewards to std 1 (mean kept) before GAE"""
     num_ppo_epochs: int = 2
     """passes over each batch of rollouts"""
     num_mini_batches: int = 1
-    """mini-batches per pass, one AdamW update each; must divide each process's completions"""
+    """mini-batches per pass, one update each"""
     clip_low: float = 0.2
-    """epsilon_low: the ratio is clipped below at 1 - clip_low"""
+    """the ratio is clipped below at 1 - clip_low"""
     clip_high: float = 0.2
-    """epsilon_high: the ratio is clipped above at 1 + clip_high"""
+    """the ratio is clipped above at 1 + clip_high"""
     cliprange_value: float = 0.2
-    """the new value may move at most this far from the rollout's value before its loss is clipped"""
+    """the value's clipping range around the rollout's value"""
     vf_coef: float = 0.1
     """weight of the value loss"""
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
     target_kl: Optional[float] = None
-    """stop a step's remaining epochs once an epoch's mean approximate KL(pi_old || pi) exceeds this (None: never)"""
+    """stop a step's epochs once an epoch's mean approximate KL(pi_old || pi) exceeds this (None: never)"""
     importance_sampling_cap: Optional[float] = None
-    """truncated importance sampling (TIS): each token's loss times min(pi_old / pi_sampler, cap), for samplers whose
-    numerics differ from the trainer's (bf16, compiled); None: off"""
+    """truncated importance sampling (TIS): each token's loss times min(pi_old / pi_sampler, cap) (None: off)"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
@@ -130,19 +115,19 @@ class Args:
     value_model_name_or_path: Optional[str] = None
     """folder or hub id of the value model's backbone (and head, if it has one) (None: the policy's)"""
     value_model_layers: int = 0
-    """keep the value model's first N decoder layers only (0: all): a smaller critic, a cheaper step"""
+    """keep the value model's first N decoder layers only (0: all)"""
     dataset: str = "data/arith"
     """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "train"
     """split with the training prompts"""
     eval_split: Optional[str] = "test"
-    """split with prompts and reference answers for greedy-decoding accuracy (None: no eval)"""
+    """split with prompts and answers for greedy-decoding accuracy (None: no eval)"""
     prompt_column: str = "prompt"
-    """column holding the prompt (a string, or a list of chat messages with --use-chat-template)"""
+    """column holding the prompt (text, or chat messages with --use-chat-template)"""
     answer_column: str = "answer"
     """column holding the reference answer; rewards receive it as `answer`"""
     use_chat_template: bool = False
-    """wrap each prompt in the tokenizer's chat template (instruct models)"""
+    """wrap each prompt in the tokenizer's chat template"""
     max_prompt_length: int = 256
     """prompts longer than this many tokens keep their last tokens"""
     eval_limit: int = 500
@@ -156,15 +141,15 @@ class Args:
 
     # --- optimisation
     learning_rate: float = 1e-4
-    """peak learning rate of AdamW for the policy"""
+    """peak learning rate of the policy"""
     value_learning_rate: float = 1e-3
-    """peak learning rate of AdamW for the value model"""
+    """peak learning rate of the value model"""
     total_steps: int = 300
-    """training steps (batches of rollouts); may change on --resume (the lr decay then ends at the new last step)"""
+    """training steps (batches of rollouts); may change on --resume"""
     pause_at_step: int = 0
-    """stop after this step with a checkpoint, as Ctrl-C does (0: never); --resume goes on, e.g. with a new --reward"""
+    """stop after this step with a checkpoint, as Ctrl-C does (0: never)"""
     micro_batch_size: int = 0
-    """completions per forward/backward pass, gradients accumulated over a mini-batch (0: largest divisor up to 128)"""
+    """completions per forward/backward pass (0: largest divisor of the mini-batch up to 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """after warmup: cosine or linear decay to 0 at the last step, or constant"""
     warmup_steps: int = 30
@@ -176,13 +161,13 @@ class Args:
 
     # --- logging / checkpointing
     log_every: int = 1
-    """steps between rows of metrics.jsonl (and printed lines when the output is not a terminal)"""
+    """steps between rows of metrics.jsonl"""
     eval_every: int = 50
     """steps between greedy evaluations (0: only at start and end)"""
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
+    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     num_sample_completions: int = 8
     """completions per logging step in the --track table"""
     output_dir: str = "runs"
@@ -194,12 +179,11 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
     generation_backend: Literal["shared", "static"] = "shared"
-    """shared: generate, each group's prompt prefilled once (fastest on CPU); static: a static KV cache (compiled on
-    CUDA); see docs/ppo.md"""
+    """shared: generate, each prompt prefilled once; static: a static KV cache (compiled on CUDA)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP's copies"""
+    """under torchrun, shard weights, gradients and optimiser states (FSDP2) instead of DDP"""
     exp_name: str = "ppo"
     """name of this experiment, part of the run directory name"""
     seed: int = 1
@@ -223,35 +207,33 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over the real entries, unbiased variance (as TRL; N+ uses the biased one);
-    shift_mean=False adds the mean back. x, mask: [B, T] -> [B, T], 0 on padding."""
+    """(x - mean) / std over the real entries, unbiased variance (as TRL); shift_mean=False adds the mean back.
+    x, mask: [B, T] -> [B, T], 0 on padding."""
     mean = masked_mean(x, mask)
     n = mask.sum()
     var = masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1.0)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened * mask
+    return (whitened if shift_mean else whitened + mean) * mask
 
 
 def penalise_missing_eos(scores: torch.Tensor, truncated: torch.Tensor, penalty: float) -> torch.Tensor:
-    """scores [B], truncated [B] bool (no EOS within the length limit) -> scores minus `penalty` where truncated."""
+    """scores [B] less `penalty` where truncated [B] (no EOS within the length limit)."""
     return scores - penalty * truncated.float()
 
 
 def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """-kl_coef KL_t at every real token, plus the score at the last one (Eq. 2 of arXiv:2203.02155 per token, as N+).
-    scores: [B], kl, mask: [B, T] (1 up to and including the last real token) -> rewards [B, T], 0 on padding."""
+    scores: [B]; kl, mask: [B, T] -> rewards [B, T], 0 on padding."""
     rewards = -kl_coef * kl * mask
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-    rewards[torch.arange(len(scores)), last] += scores * (mask.sum(dim=1) > 0)
+    lengths = mask.sum(dim=1).long()
+    rewards[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] += scores * (lengths > 0)
     return rewards
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 16 of arXiv:1506.02438: delta_t = r_t + gamma V_t+1 - V_t, A_t = delta_t + gamma lam A_t+1, V = A = 0 after
-    the last real token; R_t = A_t + V_t. rewards, values, mask: [B, T] -> (advantages, returns) [B, T]."""
+    """Eq. 16 of arXiv:1506.02438, V = A = 0 after the last real token; R_t = A_t + V_t.
+    rewards, values, mask: [B, T] -> (advantages, returns) [B, T]."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     next_value = next_advantage = torch.zeros_like(rewards[:, 0])
@@ -265,8 +247,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO2's clipped value loss (kept by N+): 0.5 max((V - R)^2, (V_old + clip(V - V_old, +-eps) - R)^2) per token,
-    then the mean. values, old_values, returns, mask: [B, T] -> (loss, share of tokens where the clipped term won)."""
+    """PPO2's clipped value loss (kept by N+), 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token mean.
+    values, old_values, returns, mask: [B, T] -> (loss, share of tokens where the clipped term won)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped - returns) ** 2
@@ -275,10 +257,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 class KLController:
-    """The KL coefficient beta, updated once per step from the batch's KL.
-    fixed: beta stays. adaptive (Sec. 2.2 of arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, +-0.2) n / horizon,
-    n = completions in the batch. step (Sec. 4 of arXiv:1707.06347, 1.5 for its 2): beta x 1.5 when KL > 1.5 target,
-    / 1.5 when KL < target / 1.5."""
+    """The KL coefficient beta, updated once per step from the batch's KL; n = completions in the batch.
+    adaptive (Sec. 2.2 of arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, +-0.2) n / horizon.
+    step (Sec. 4 of arXiv:1707.06347, 1.5 for its 2): beta x 1.5 above 1.5 target, / 1.5 below target / 1.5."""
 
     def __init__(self, kind: str, beta: float, target: float = 0.0, horizon: int = 10000):
         self.kind, self.value, self.target, self.horizon = kind, beta, target, horizon
@@ -300,8 +281,7 @@ class KLController:
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over real tokens (1: a perfect critic, 0: a constant's fit; nan if R is constant).
-    values, returns, mask: [B, T] -> float."""
+    """1 - Var(R - V) / Var(R) over real tokens (nan if R is constant). values, returns, mask: [B, T] -> float."""
     def variance(x):
         return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
     var_returns = variance(returns)
@@ -335,16 +315,15 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 class PolicyAndValueModel(torch.nn.Module):
-    """The policy and the separate value model as DDP and FSDP2 see them (one forward, one gradient synchronisation),
-    saved as the policy's folder with value_model/ in it (a complete model folder, tokenizer included)."""
+    """The policy and the value model as one module for DDP and FSDP2, saved as the policy's folder with
+    value_model/ in it."""
 
     def __init__(self, policy, value_model, tokenizer):
         super().__init__()
         self.policy, self.value_model, self.tokenizer = policy, value_model, tokenizer
 
     def forward(self, input_ids, attention_mask, prompt_width: int, temperature: float):
-        """As completion_logprobs -> (logp, entropy, values) [B, Tc]; V_t is read at the hidden state that predicts
-        token t, as its log-prob is."""
+        """As completion_logprobs -> (logp, entropy, values) [B, Tc]; V_t is read where token t is predicted."""
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         scores = self.value_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   use_cache=False).logits
@@ -360,19 +339,16 @@ class PolicyAndValueModel(torch.nn.Module):
 
 
 def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
-    """The causal-LM backbone of `name` with a scalar head (a token classifier with one label). A checkpoint without
-    such a head gets a zero one: V = 0 at the start, so the first advantages are not a random critic's noise.
-    layers > 0 keeps the first `layers` decoder blocks, then the final norm and the head."""
+    """The backbone of `name` with a scalar head (a one-label token classifier), zero unless `name` has one, so
+    that V = 0 at the start; layers > 0 keeps only the first `layers` decoder blocks."""
     has_head = any(a.endswith("ForTokenClassification") for a in AutoConfig.from_pretrained(name).architectures or [])
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # no report of the head that is "newly initialized": it is set below
+    hf_logging.set_verbosity_error()  # no warning about the "newly initialized" head: it is set below
     model = AutoModelForTokenClassification.from_pretrained(name, num_labels=1, dtype=dtype)
     hf_logging.set_verbosity(verbosity)
     if not has_head:
-        head = model.score if hasattr(model, "score") else model.classifier
-        torch.nn.init.zeros_(head.weight)
-        if head.bias is not None:
-            torch.nn.init.zeros_(head.bias)
+        for p in (model.score if hasattr(model, "score") else model.classifier).parameters():
+            torch.nn.init.zeros_(p)
     if layers:  # the decoder blocks are the longest ModuleList (model.layers; GPT-2's transformer.h)
         del max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)[layers:]
         model.config.num_hidden_layers = layers
@@ -444,8 +420,8 @@ def load_tokenizer(name: str):
 
 
 def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
-    """The split's prompts tokenised once (over-long ones keep their last tokens) and the columns the reward reads
-    ({name: column}) -> {"ids", "prompts", "texts", "columns"}."""
+    """The split's prompts tokenised once (keeping the last --max-prompt-length tokens), and the columns the reward
+    reads ({name: column}) -> {"ids", "prompts", "texts", "columns"}."""
     prompts = list(split[args.prompt_column])
     texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
     ids = [p[-args.max_prompt_length:] for p in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -491,8 +467,7 @@ class DataOrder:
 @torch.no_grad()
 def ppo_rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: str, eos_ids, reward, autocast,
                 timing: dict) -> dict:
-    """Step 1 for the prompts `rows` (Sec. 2 of arXiv:1909.08593): sample (one batched generate) and score.
-    data: rl_prompts' -> the rollout batch."""
+    """Step 1 for the prompts `rows` of rl_prompts' data: sample (one batched generate) and score."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
@@ -519,31 +494,29 @@ def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torc
 
 
 def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
-    """pi_ref's log-probs: a frozen copy of the initial policy, or with LoRA the policy with its adapters off.
-    inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
-    if ref_model is not None:  # Forward(completion_logprobs, the copy)
+    """pi_ref's log-probs: the frozen copy's, or with LoRA the policy's with its adapters off."""
+    if ref_model is not None:
         return ref_model(*inputs, temperature)
     with model.disable_adapter():
         return completion_logprobs(model, *inputs, temperature)
 
 
 def ppo_micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, tuple, int]]:
-    """`rows` in length-sorted micro-batches of `size`, each trimmed to its widest prompt and completion
+    """`rows` in length-sorted micro-batches, each trimmed to its widest prompt and completion
     -> [(rows, (input_ids, attention_mask, prompt_width), completion width)]."""
     width, out = batch["prompt_ids"].shape[1], []
-    masks = (batch["prompt_mask"][rows], batch["completion_mask"][rows])
-    for sub, first, end in length_sorted_micro_batches(*masks, size):
+    for sub, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows],
+                                                       size):
         r = rows[sub]
-        inputs = (batch["ids"][r, first : width + end], batch["attention"][r, first : width + end], width - first)
-        out.append((r, inputs, end))
+        out.append((r, (batch["ids"][r, first : width + end], batch["attention"][r, first : width + end],
+                        width - first), end))
     return out
 
 
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
-    """pi_old's and (beta > 0) pi_ref's log-probs and V_old at every completion token; with
-    --importance-sampling-cap the TIS weights. -> the batch and "ids", "attention", "old_logp", "ref_logp",
-    "old_values" (, "tis", "tis_capped")."""
+    """pi_old's and (beta > 0) pi_ref's log-probs and V_old at every completion token, and the TIS weights
+    -> the batch with "ids", "attention", "old_logp", "ref_logp", "old_values" (, "tis", "tis_capped")."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -561,9 +534,8 @@ def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, ar
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
-    """Steps 2-3: scores less the missing-EOS penalty, KL_t(pi_old || pi_ref), rewards -kl_coef KL_t + [last] score
-    (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of arXiv:1506.02438), whitening -> {"scores" [B], "kl", "advantages",
-    "returns" [B, T]}."""
+    """Steps 2-3: per-token rewards from the scores and KL_t (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of
+    arXiv:1506.02438), whitening -> {"scores" [B], "kl", "advantages", "returns" [B, T]}."""
     mask = batch["completion_mask"]
     scores = batch["rewards"]["total"].to(mask.device)
     scores = penalise_missing_eos(scores, batch["truncated"], args.missing_eos_penalty)
@@ -583,16 +555,15 @@ PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "appro
 
 
 def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast) -> dict:
-    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each (the policy's
-    and the value parameter groups each clipped to --max-grad-norm): the clipped policy loss (Eq. 7 of
-    arXiv:1707.06347) times the TIS weights, the clipped value loss and the entropy bonus (Eq. 9), token means over
-    the mini-batch; --target-kl stops the epochs. -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
+    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each: the clipped
+    policy loss (Eq. 7 of arXiv:1707.06347) times the TIS weights, the clipped value loss and the entropy bonus
+    (Eq. 9), token means over the mini-batch -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
     mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
     sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
     for epoch in range(args.num_ppo_epochs):
         epoch_kl = torch.zeros(2, device=mask.device)  # approximate-KL token sum, tokens
         for rows in torch.randperm(len(mask)).to(mask.device).split(len(mask) // args.num_mini_batches):
-            chunks, n_tokens = ppo_micro_batches(batch, rows, micro), mask[rows].sum()
+            chunks = ppo_micro_batches(batch, rows, micro)
             for k, (r, inputs, end) in enumerate(chunks):
                 m, old_logp = mask[r, :end], batch["old_logp"][r, :end]
                 with (actor_critic.no_sync() if ddp and k < len(chunks) - 1 else torch.enable_grad()), autocast:
@@ -604,8 +575,8 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
                     vf_loss, vf_clipped = value_loss(values, batch["old_values"][r, :end], batch["returns"][r, :end], m,
                                                      args.cliprange_value)
                     pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
-                    share = m.sum() / n_tokens  # this micro-batch's part of the mini-batch's token mean
-                    ((pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent) * share).backward()
+                    loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent
+                    (loss * m.sum() / mask[rows].sum()).backward()  # its share of the mini-batch's token mean
                 log_ratio = logp.detach() - old_logp
                 approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, m)  # k3 of KL(pi_old || pi)
                 tokens = float(m.sum())
@@ -627,24 +598,23 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
 def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, args) -> dict:
     """The step's metrics over all processes: rewards per component, KL, losses, clipping, the critic's fit."""
     mask = batch["completion_mask"]
-    lengths = mask.sum(dim=1)
-    n_capped = float(batch["tis_capped"].sum()) if "tis" in batch else 0.0
-    local = torch.tensor([*(stats[k] for k in PPO_STATS), stats["tokens"], float(lengths.sum()),
-                          float(batch["truncated"].sum()), len(lengths),
-                          explained_variance(batch["old_values"], batch["returns"], mask), n_capped],
-                         device=mask.device)
-    if run.ddp:
-        dist.all_reduce(local)
-    sums = dict(zip((*PPO_STATS, "tokens", "length", "truncated", "n", "explained_variance", "capped"), local.tolist()))
+    local = {k: stats[k] for k in (*PPO_STATS, "tokens")}
+    local["length"] = mask.sum()
+    local["truncated"] = batch["truncated"].sum()
+    local["n"] = len(mask)
+    local["explained_variance"] = explained_variance(batch["old_values"], batch["returns"], mask) / run.world
+    local["capped"] = batch["tis_capped"].sum() if "tis" in batch else 0
+    totals = run.gather(torch.tensor([[float(v) for v in local.values()]], device=mask.device)).sum(0)
+    sums = dict(zip(local, totals.tolist()))
     means = {f"train/{k}": sums[k] / max(sums["tokens"], 1) for k in PPO_STATS}
-    loss = means["train/policy_loss"] + args.vf_coef * means["train/value_loss"] - args.entropy_coef * means[
-        "train/entropy"]
+    loss = means["train/policy_loss"] + args.vf_coef * means["train/value_loss"]
     rewards = {f"rewards/{k}": float(run.gather(v.to(mask.device)).mean()) for k, v in batch["rewards"].items()}
-    return {"train/loss": loss, "train/reward": rewards.pop("rewards/total"), **rewards,
+    return {"train/loss": loss - args.entropy_coef * means["train/entropy"],
+            "train/reward": rewards.pop("rewards/total"), **rewards,
             "train/score": float(run.gather(batch["scores"]).mean()), "train/kl": batch_kl, "train/kl_coef": kl_coef,
             "train/non_score_reward": -kl_coef * batch_kl, **means,
-            "train/explained_variance": sums["explained_variance"] / run.world,
-            "train/value_mean": float(masked_mean(batch["old_values"], mask)), "train/grad_norm": stats["grad_norm"],
+            "train/explained_variance": sums["explained_variance"], "train/value_mean":
+            float(masked_mean(batch["old_values"], mask)), "train/grad_norm": stats["grad_norm"],
             "train/value_grad_norm": stats["value_grad_norm"], "train/ppo_epochs": stats["ppo_epochs"],
             "train/completion_length": sums["length"] / sums["n"],
             "train/truncated_frac": sums["truncated"] / sums["n"],
@@ -676,9 +646,8 @@ def gold_rewards(gold, batch: dict, data: dict, rows: list[int]) -> torch.Tensor
 
 
 def load_policy_and_value_model(args, device, tokenizer):
-    """The policy and the value model (dropout off; LoRA adapters on both, the value head trained in full), and a
-    frozen reference when beta > 0 (None with LoRA: the policy with its adapters off) -> (model, value model,
-    reference, EOS ids)."""
+    """The policy and the value model (dropout off, LoRA on both), and the frozen reference (None with LoRA or
+    beta = 0) -> (model, value model, reference, EOS ids)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device)
     value_model = load_value_model(args.value_model_name_or_path or args.model_name_or_path, dtype,
@@ -718,8 +687,7 @@ def restore_value_model(value_model, args, run) -> None:
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint), then set
-    #    up processes, device and seeds.
+    # 0. Check every input before any work (a resumed run takes its own arguments), then set up processes and seeds.
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     reward = make_reward(args.reward)
@@ -806,8 +774,8 @@ def main(args: Args) -> dict:
             if gold is not None:  # logged as rewards/gold beside the reward, never in the loss
                 batch["rewards"]["gold"] = gold_rewards(gold, batch, data, rows)
             t_train = time.perf_counter()
-            # 4b. Log-probs of pi_old and pi_ref and the values V_old at every completion token, without gradients;
-            #     the sampler's log-probs against pi_old's (a mismatch on the first batch stops the run).
+            # 4b. pi_old's and pi_ref's log-probs and V_old, without gradients; the sampler gap (the mean
+            #     |sampler - pi_old| log-prob; too large on the first batch stops the run).
             batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast)
             mask = batch["completion_mask"]
             gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum(), mask.sum())
@@ -844,10 +812,10 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "ev
 
 
 def check_args(args: Args) -> int:
-    """Every check that needs no model or data loading, before any work; -> the micro-batch each process uses."""
+    """Every check that needs no model or data loading -> the micro-batch each process uses."""
     check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
                         "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
-                        "learning_rate", "value_learning_rate"),
+                        "learning_rate", "value_learning_rate", "temperature"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "num_sample_completions",
                   "micro_batch_size", "beta", "clip_high", "cliprange_value", "vf_coef", "entropy_coef",
                   "value_model_layers", "pause_at_step"), (args.model_name_or_path,))
@@ -861,7 +829,7 @@ def check_args(args: Args) -> int:
             (args.value_model_layers > blocks, f"--value-model-layers: use 0 (all) to {blocks}, its decoder layers"),
             (args.pause_at_step >= args.total_steps, "--pause-at-step must be before --total-steps (or 0: never)"),
             (args.center_scores_per_prompt and args.num_generations < 2,
-             "--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more")):
+             "--center-scores-per-prompt needs --num-generations 2 or more")):
         if bad:
             raise ValueError(message)
     return check_ppo_args(args)
@@ -875,7 +843,6 @@ def check_ppo_args(args) -> int:
             (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
             (per_process % args.num_mini_batches, f"--num-mini-batches must divide each process's {per_process} "
                                                   f"completions (--prompts-per-step / processes x --num-generations)"),
-            (not args.temperature > 0, "--temperature must be positive"),
             (args.kl_controller != "fixed" and not (args.kl_target > 0 and args.beta > 0),
              f"--kl-controller {args.kl_controller} needs a positive --kl-target (e.g. 1.0) and --beta"),
             (not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1),
@@ -886,7 +853,6 @@ def check_ppo_args(args) -> int:
         if bad:
             raise ValueError(message)
     return fit_micro_batch(args.micro_batch_size, per_process // args.num_mini_batches, "each mini-batch")
-
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
 # A reader need not modify it. A function here with the same name in another script is the same text there.
