@@ -1,12 +1,11 @@
-"""GRPO (DeepSeekMath, arXiv:2402.03300, Sec. 4) and its 2025 family: Dr.GRPO, DAPO, BNPO, GSPO, CISPO, RLOO's baseline.
+"""GRPO (DeepSeekMath, arXiv:2402.03300, Sec. 4) and its variants: Dr.GRPO, DAPO, BNPO, GSPO, CISPO, RLOO's baseline.
 
-Sample G completions o_i of each prompt, score them, give every token of o_i the advantage A_i = (r_i - mean(r)) /
-std(r) (Sec. 4.1.2), and maximise the clipped surrogate minus beta KL to a frozen reference (Eq. 3, k3 of Eq. 4):
-    J = E[ 1/G sum_i 1/|o_i| sum_t min(rho A_i, clip(rho, 1-eps_low, 1+eps_high) A_i) - beta KL ],  rho = pi / pi_old.
-Variants (their equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards none --loss-type dr_grpo`;
-DAPO (arXiv:2503.14476) `--clip-high 0.28 --dynamic-sampling --mask-truncated-completions --loss-type dapo`; bnpo;
-GSPO (arXiv:2507.18071) `--importance-sampling-level sequence|sequence_token`; CISPO (arXiv:2506.13585) `--loss-type
-cispo`; RLOO `--baseline rloo`; `--delta 4`; high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`.
+Sample G completions of each prompt, score them, give each token of completion i the advantage A_i = (r_i - mean(r)) /
+std(r) over its group (Sec. 4.1.2), and maximise the clipped surrogate minus beta KL to a frozen reference (Eq. 3, 4).
+Variants (equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards none --loss-type dr_grpo`; DAPO
+(arXiv:2503.14476) `--clip-high 0.28 --dynamic-sampling --mask-truncated-completions --loss-type dapo`; GSPO
+(arXiv:2507.18071) `--importance-sampling-level sequence`; CISPO (arXiv:2506.13585) `--loss-type cispo`; RLOO
+`--baseline rloo`; high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`.
 
     python grpo.py                                                # models/tiny-arith on data/arith, CPU
     python grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
@@ -14,16 +13,16 @@ cispo`; RLOO `--baseline rloo`; `--delta 4`; high-entropy tokens only (arXiv:250
     torchrun --nproc-per-node 2 grpo.py                           # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/grpo.md):
-- Defaults fit the 0.9M-parameter embedded model: `--scale-rewards none`, 64 prompts x 8 completions a step, mu = 2
-  updates on each, 250 steps at lr 1e-4 (warmup, cosine decay), temperature 0.7, beta 0.
+- Defaults fit the embedded 0.9M-parameter model: `--scale-rewards none`, mu = 2, beta = 0.
 - With beta = 0, zero-advantage completions skip the forward and backward pass (their gradient is exactly 0).
-- Log-probs are of softmax(logits / T), the distribution sampled from (no top-k / top-p).
-- std is the unbiased one + 1e-4 (as TRL); dropout is off; over-long prompts keep their last tokens (as TRL).
+- Log-probs are of softmax(logits / T), the distribution sampled from; dropout is off.
+- std is the unbiased one + 1e-4; over-long prompts keep their last tokens (both as TRL).
 - Under torchrun each process draws its own prompts; rewards are gathered for batch-level statistics.
 """
 
 import contextlib
 import copy
+import importlib.util
 import math
 import json
 import os
@@ -57,29 +56,29 @@ class Args:
     num_generations: int = 8
     """G, completions sampled per prompt"""
     prompts_per_step: int = 64
-    """prompts per step over all processes (a batch of prompts_per_step x G completions)"""
+    """prompts per step over all processes"""
     max_completion_length: int = 40
-    """most new tokens per completion (also the greedy evaluation's)"""
+    """most new tokens per completion (and in evaluation)"""
     temperature: float = 0.7
-    """sampling temperature; log-probs are those of the tempered distribution"""
+    """sampling temperature; log-probs are of the tempered distribution"""
     reward: str = DEFAULT_SPEC
-    """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
+    """reward spec (rewards.make_reward): `name:weight,...` or a JSON file"""
     scale_rewards: Literal["group", "batch", "none"] = "none"
     """divide advantages by the std of the group (GRPO), of the batch, or not at all (Dr.GRPO)"""
     baseline: Literal["mean", "rloo"] = "mean"
     """subtract the group's mean reward, or the mean of the other G - 1 (RLOO)"""
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and refill them from fresh prompts"""
+    """DAPO: replace groups whose rewards are all equal by fresh ones"""
     max_resample_rounds: int = 4
-    """dynamic sampling: most extra draws per step before topping up with dropped groups"""
+    """dynamic sampling: most extra draws per step"""
     mask_truncated_completions: bool = False
     """DAPO overlong filtering: completions without EOS get no loss"""
     beta: float = 0.0
-    """KL coefficient to the frozen reference model (0: no reference model is kept)"""
+    """KL coefficient to the frozen reference model (0: none is kept)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html (k3: Eq. 4)"""
     num_iterations: int = 2
-    """mu, optimiser updates on each batch of completions"""
+    """mu, optimiser updates on each batch"""
     clip_low: float = 0.2
     """epsilon_low: the ratio is clipped below at 1 - clip_low"""
     clip_high: float = 0.2
@@ -87,37 +86,37 @@ class Args:
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
     """the loss's normaliser (aggregate_loss); cispo: CISPO's loss with dapo's normaliser"""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
-    """ratio per token (GRPO), one length-normalised ratio per completion (GSPO), or GSPO-token"""
+    """ratio per token (GRPO), per completion (GSPO), or GSPO-token"""
     delta: Optional[float] = None
-    """two-sided clipping: cap on the ratio of negative-advantage tokens (INTELLECT-2; None: off)"""
+    """cap on the ratio of negative-advantage tokens (INTELLECT-2; None: off)"""
     top_entropy_quantile: float = 1.0
-    """rho: policy gradient only on the batch's top-rho fraction of tokens by entropy (1: all)"""
+    """rho: policy gradient only on the top-rho fraction of tokens by entropy"""
     importance_sampling_cap: Optional[float] = None
-    """truncated importance sampling (TIS): each token's loss times min(pi_old / pi_sampler, cap); None: off"""
+    """truncated importance sampling (TIS): loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
+    """local folder or Hugging Face id of the causal LM and its tokenizer"""
     dataset: str = "data/arith"
     """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "train"
     """split with the training prompts"""
     eval_split: Optional[str] = "test"
-    """split with prompts and answers for greedy-decoding accuracy (None: no eval)"""
+    """split with prompts and answers for greedy accuracy (None: no eval)"""
     prompt_column: str = "prompt"
-    """column holding the prompt (a string, or chat messages with --use-chat-template)"""
+    """column of prompts (strings, or chat messages with --use-chat-template)"""
     answer_column: str = "answer"
-    """column holding the reference answer; rewards receive it as `answer`"""
+    """column of reference answers (rewards get it as `answer`)"""
     use_chat_template: bool = False
-    """wrap each prompt in the tokenizer's chat template (instruct models)"""
+    """wrap each prompt in the tokenizer's chat template"""
     max_prompt_length: int = 256
-    """prompts longer than this many tokens keep their last tokens"""
+    """longer prompts keep their last tokens"""
     eval_limit: int = 500
-    """evaluate on at most this many eval examples"""
+    """evaluate on at most this many examples"""
     lora_r: int = 0
-    """rank of LoRA adapters on every linear layer (0: train all weights); needs peft"""
+    """LoRA rank on every linear layer (0: train all weights); needs peft"""
     lora_alpha: float = 32.0
-    """LoRA scaling numerator (the update is scaled by alpha / r)"""
+    """LoRA scaling numerator (alpha / r)"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
 
@@ -125,11 +124,11 @@ class Args:
     learning_rate: float = 1e-4
     """peak learning rate of AdamW"""
     total_steps: int = 250
-    """training steps; may change on --resume (the lr decay then ends at the new last step)"""
+    """training steps (may change on --resume: the decay then ends at the new last step)"""
     micro_batch_size: int = 0
     """completions per forward/backward pass (0: the largest divisor of the batch up to 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """after warmup: cosine or linear decay to 0 at the last step, or constant"""
+    """after warmup: cosine or linear decay to 0, or constant"""
     warmup_steps: int = 30
     """linear warmup steps"""
     weight_decay: float = 0.0
@@ -137,15 +136,15 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """recompute activations in the backward pass"""
 
     # --- logging / checkpointing
     log_every: int = 1
     """steps between rows of metrics.jsonl"""
     eval_every: int = 50
-    """steps between greedy evaluations (0: only at start and end)"""
+    """steps between evaluations (0: at start and end only)"""
     save_every: int = 0
-    """steps between checkpoints (0: only at the end and on Ctrl-C)"""
+    """steps between checkpoints (0: at the end and on Ctrl-C only)"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     num_sample_completions: int = 8
@@ -155,15 +154,15 @@ class Args:
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
+    """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
     generation_backend: Literal["shared", "static"] = "shared"
-    """shared: generate with each group's prompt prefilled once; static: static KV cache, compiled on CUDA"""
+    """shared: each group's prompt prefilled once; static: static KV cache, compiled on CUDA"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states (FSDP2) instead of DDP's copies"""
+    """under torchrun, shard weights, gradients and AdamW states (FSDP2) instead of DDP"""
     exp_name: str = "grpo"
-    """name of this experiment, part of the run directory name"""
+    """experiment name, part of the run directory's"""
     seed: int = 1
-    """seed of python, numpy and torch, and of the data order"""
+    """seed of python, numpy, torch and the data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
@@ -180,9 +179,9 @@ class Args:
 
 
 def group_advantages(rewards: torch.Tensor, scale: str, baseline: str = "mean") -> torch.Tensor:
-    """rewards [P, G] -> advantages [P, G] float32 (Sec. 4.1.2 of arXiv:2402.03300): r_i - mean(group), or with "rloo"
-    r_i - mean of the other G - 1 = G / (G - 1) (r_i - mean(group)) (arXiv:2402.14740), divided by std(group) + 1e-4,
-    std(batch) + 1e-4 or, "none", nothing (Dr.GRPO). A group whose rewards are all equal gets exactly 0."""
+    """rewards [P, G] -> advantages [P, G] float32: r_i - mean(group) (Sec. 4.1.2), times G / (G - 1) for the mean
+    of the other G - 1 (RLOO, arXiv:2402.14740), over std(group) + 1e-4, std(batch) + 1e-4 or (none, Dr.GRPO) 1.
+    A group whose rewards are all equal gets exactly 0."""
     rewards = rewards.float()
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if baseline == "rloo":
@@ -200,18 +199,16 @@ def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which tokens belong to each completion: everything up to and including its first EOS.
-
-    completion_ids: [B, T]; eos_ids: [K] -> (mask [B, T] float32, truncated [B] bool: no EOS in T tokens).
-    """
+    """completion_ids: [B, T]; eos_ids: [K] -> (mask [B, T] float32: the tokens up to and including the first EOS,
+    truncated [B] bool: no EOS)."""
     is_eos = torch.isin(completion_ids, eos_ids)
-    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # EOS tokens strictly before t
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
     return (eos_before == 0).float(), ~is_eos.any(dim=1)
 
 
 def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *, num_sequences: int,
                    num_tokens: int, max_completion_length: int, local_tokens: int = 0, world: int = 1) -> torch.Tensor:
-    """per_token_loss, mask: [B, T] -> this micro-batch's share of the step's loss, which is
+    """per_token_loss, mask: [B, T] -> this micro-batch's share of the step's loss:
         grpo     mean over sequences of each one's token mean  (the 1/|o_i| of Eq. 3)
         bnpo     mean over processes of each one's token mean (local_tokens: TRL's normaliser)
         dr_grpo  token sum / (num_sequences x max_completion_length)  (arXiv:2503.20783, Sec. 3)
@@ -228,14 +225,14 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: 
 
 def policy_loss(logp, old_logp, advantages, mask, ref_logp, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logp, old_logp, mask, ref_logp (None: beta = 0): [B, T]; advantages: [B, 1] -> per token (loss, kl, clipped:
-    1 where the clip zeroes the gradient or cispo caps the weight). x, by --importance-sampling-level (sg: no grad):
-        token           x_it = pi(o_it) / pi_old(o_it)                 GRPO, Eq. 3 of arXiv:2402.03300
-        sequence        x_it = s_i = exp(1/|o_i| sum_t log x_it)       GSPO, Eq. 7 of arXiv:2507.18071
-        sequence_token  x_it = sg[s_i] pi(o_it) / sg[pi(o_it)]         GSPO-token, Eq. 14
-    then by --loss-type, plus beta KL (Eq. 4; delta: INTELLECT-2's two-sided clip, arXiv:2505.07291):
-        clip losses  -min(min(x, delta) A, clip(x, 1 - eps_low, 1 + eps_high) A)   Eq. 3; GSPO Eq. 5
-        cispo        -sg[min(x, 1 + eps_high)] A log pi(o_it)                     Eq. 4-5 of arXiv:2506.13585
-    On CUDA, token-level clip losses without delta run as the fused kernels.clipped_policy_loss (same numbers)."""
+    1 where the clip zeroes the gradient or cispo caps the weight). The ratio x (sg: no gradient) is per
+        token           x_it = pi(o_it) / pi_old(o_it)              GRPO, Eq. 3 of arXiv:2402.03300
+        sequence        x_it = s_i = exp(1/|o_i| sum_t log x_it)    GSPO, Eq. 7 of arXiv:2507.18071
+        sequence_token  x_it = sg[s_i] pi(o_it) / sg[pi(o_it)]      GSPO-token, Eq. 14
+    and the loss, plus beta KL (Eq. 4; delta: the two-sided clip of INTELLECT-2, arXiv:2505.07291):
+        clip   -min(min(x, delta) A, clip(x, 1 - eps_low, 1 + eps_high) A)   Eq. 3; GSPO Eq. 5
+        cispo  -sg[min(x, 1 + eps_high)] A log pi(o_it)                     Eq. 4-5 of arXiv:2506.13585
+    On CUDA, token-level clip losses without delta run as kernels.clipped_policy_loss (same numbers)."""
     if logp.is_cuda and args.loss_type != "cispo" and args.importance_sampling_level == "token" and args.delta is None:
         return clipped_policy_loss(logp, old_logp, advantages, ref_logp=ref_logp, clip_low=args.clip_low,
                                    clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
@@ -254,15 +251,15 @@ def policy_loss(logp, old_logp, advantages, mask, ref_logp, args) -> tuple[torch
 
 
 def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance sampling (TIS): min(pi_old / pi_sampler, cap) per token, 1 on padding -> (weights,
-    capped). The sampler drew the tokens; the loss is an expectation under pi_old (the trainer's numerics)."""
+    """[B, T] each -> (min(pi_old / pi_sampler, cap) per token, 1 on padding; capped [B, T] bool): the sampler drew
+    the tokens, the loss is an expectation under pi_old (the trainer's numerics)."""
     ratio = torch.exp((old_logp - sampler_logp) * mask)
     return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
 
 
 def high_entropy_tokens(entropy: list[torch.Tensor], masks: list[torch.Tensor], rho: float) -> list[torch.Tensor]:
-    """entropy, masks: [B_k, T_k] per micro-batch -> [B_k, T_k] bool: H_it >= the (1 - rho)-quantile of all the loss
-    tokens' entropies ("Beyond the 80/20 rule", arXiv:2506.01939)."""
+    """entropy, masks: [B_k, T_k] per micro-batch -> [B_k, T_k] bool: entropy >= the (1 - rho)-quantile of all loss
+    tokens' (arXiv:2506.01939)."""
     pooled = torch.cat([h[m > 0] for h, m in zip(entropy, masks)]).float()
     tau = torch.quantile(pooled, 1 - rho) if len(pooled) else 0.0
     return [h >= tau for h in entropy]
@@ -270,9 +267,8 @@ def high_entropy_tokens(entropy: list[torch.Tensor], masks: list[torch.Tensor], 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                         temperature: float, with_entropy: bool = False):
-    """input_ids, attention_mask: [B, Tp + Tc], prompts left-padded to Tp -> completion log-probs [B, Tc] float32
-    (, entropy [B, Tc]) from the last hidden states and the head (lm_head), never the full logits. Positions count
-    real tokens only, as `generate` does."""
+    """input_ids, attention_mask: [B, Tp + Tc], prompts left-padded to Tp -> log-probs [B, Tc] float32 (, entropy
+    [B, Tc]) from the hidden states and lm_head, never the full logits. Positions count real tokens, as in generate."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
@@ -281,19 +277,18 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
-    """prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc] -> rows `size` at a time, longest completion first,
-    each with the columns it needs: [(rows, first prompt column, completion columns)]."""
+    """prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc] -> `size` rows at a time, longest completion
+    first: [(rows, first column holding a prompt token, completion width)]."""
     lengths = completion_mask.sum(dim=1)
     out = []
     for rows in torch.argsort(lengths, descending=True, stable=True).split(size):
-        first = int(prompt_mask[rows].any(dim=0).float().argmax())  # the first column holding a prompt token
-        out.append((rows, first, int(lengths[rows].max())))
+        out.append((rows, int(prompt_mask[rows].any(dim=0).float().argmax()), int(lengths[rows].max())))
     return out
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
     """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
-    at s0 with a new `total`, the decay goes on from f0 and ends at 0 on the new last step."""
+    at s0 with a new `total`, the decay goes on from f0 to 0 at the new last step."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -360,7 +355,7 @@ def dynamic_sampling(draw: Callable[[int], dict], num_groups: int, group_size: i
 
 
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
-    """The prompts as text: as they are, or (chat models) wrapped in the tokenizer's chat template."""
+    """The prompts as text: as they are, or wrapped in the tokenizer's chat template."""
     if not use_chat_template:
         if not isinstance(values[0], str):
             raise ValueError(f"prompts in column '{column}' are chat messages: pass --use-chat-template")
@@ -375,7 +370,8 @@ class DataOrder:
     """Prompt indices in seeded random epochs; draws go on across steps, and across a resume."""
 
     def __init__(self, n: int, seed: int):
-        self.n, self.gen = n, torch.Generator().manual_seed(seed)
+        self.n = n
+        self.gen = torch.Generator().manual_seed(seed)
         self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
 
     def draw(self, k: int) -> list[int]:
@@ -418,9 +414,8 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: 
 
 
 def micro_batches(batch: dict, advantages: torch.Tensor, mask: torch.Tensor, size: int, skip_zero: bool) -> list[dict]:
-    """The batch in length-sorted micro-batches of `size` rows, each trimmed to its own widest prompt and completion.
-    skip_zero: without the rows whose advantage is 0 (at beta = 0 their gradient is exactly 0; the normalisers still
-    count them), but at least one micro-batch, so that DDP syncs."""
+    """The batch in length-sorted micro-batches of `size` rows, each trimmed to its widest prompt and completion;
+    skip_zero: less the rows of advantage 0 (at beta = 0 their gradient is 0), but at least one, so that DDP syncs."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
     width = batch["prompt_ids"].shape[1]
@@ -437,18 +432,15 @@ def micro_batches(batch: dict, advantages: torch.Tensor, mask: torch.Tensor, siz
     return out
 
 
-def reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
-    """The frozen reference's log-probs: a copy of the initial policy, or with LoRA the policy with its adapters off.
-    inputs: (input_ids, attention_mask, prompt_width) as completion_logprobs takes them."""
-    if ref_model is not None:  # Forward(completion_logprobs, the copy)
-        return ref_model(*inputs, temperature)
+def logprobs_without_adapters(model, *inputs) -> torch.Tensor:
+    """With LoRA, the frozen reference is the policy with its adapters off: completion_logprobs so."""
     with model.disable_adapter():
-        return completion_logprobs(model, *inputs, temperature)
+        return completion_logprobs(model, *inputs)
 
 
-def old_policy_terms(mb: dict, old_logp: torch.Tensor, args, reference: Optional[Callable], sums: dict) -> None:
-    """The first update's log-probs are pi_old's (no weight has moved yet); with them the sampler gap, the TIS
-    weights and (beta > 0) the reference's log-probs of micro-batch mb."""
+def old_policy_terms(mb: dict, old_logp: torch.Tensor, args, reference, sums: dict) -> None:
+    """With pi_old's log-probs (the first update's: no weight has moved yet), micro-batch mb's sampler gap, TIS
+    weights and (beta > 0) reference log-probs."""
     mb["old_logp"] = old_logp
     sums["sampler_gap"] += float(((old_logp - mb["sampler_logp"]).abs() * mb["mask"]).sum())
     if args.importance_sampling_cap is not None:
@@ -456,21 +448,21 @@ def old_policy_terms(mb: dict, old_logp: torch.Tensor, args, reference: Optional
         sums["tis_capped"] += float(capped.sum())
     if reference is not None:
         with torch.no_grad():
-            mb["ref_logp"] = reference(mb["inputs"])
+            mb["ref_logp"] = reference(*mb["inputs"], args.temperature)
 
 
-def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional[Callable], tokens: tuple[int, int],
-                world: int, autocast) -> dict:
+def grpo_update(policy, optimizer, chunks: list[dict], args, reference, tokens: tuple[int, int], world: int,
+                autocast) -> dict:
     """mu AdamW updates on one batch: policy_loss per token, aggregated per --loss-type. tokens: the step's loss tokens
     (all processes, this one's) -> the sums grpo_metrics reads."""
     sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "tis_capped"), 0.0)
     ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
-    if args.top_entropy_quantile < 1:  # one more forward pass: the entropies of the whole batch, before any update
+    if args.top_entropy_quantile < 1:  # one more forward pass: the batch's entropies before any update
         with torch.no_grad(), autocast:
             entropy = [(policy.module if ddp else policy)(*mb["inputs"], args.temperature, True)[1] for mb in chunks]
-        keep = high_entropy_tokens(entropy, [mb["mask"] for mb in chunks], args.top_entropy_quantile)
-        for mb, k in zip(chunks, keep):
-            mb["keep"] = k
+        for mb, keep in zip(chunks, high_entropy_tokens(entropy, [mb["mask"] for mb in chunks],
+                                                         args.top_entropy_quantile)):
+            mb["keep"] = keep
     for iteration in range(args.num_iterations):
         for k, mb in enumerate(chunks):
             sync = policy.no_sync() if ddp and k < len(chunks) - 1 else contextlib.nullcontext()  # DDP: on the last
@@ -480,7 +472,7 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference: Optional
                     old_policy_terms(mb, logp.detach(), args, reference, sums)
                 per_token, kl, clipped = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
                                                      mb.get("ref_logp"), args)
-                if "keep" in mb:  # the policy gradient of high-entropy tokens only; the KL penalty stays on every token
+                if "keep" in mb:  # the policy gradient of high-entropy tokens only; the KL penalty on every token
                     per_token = torch.where(mb["keep"], per_token, args.beta * kl)
                 if "tis" in mb:  # the sampler drew the tokens: weigh pi_old's whole per-token loss back to them
                     per_token = per_token * mb["tis"]
@@ -522,7 +514,7 @@ def grpo_metrics(run, args, sums: dict, batch: dict, rewards: torch.Tensor, timi
 
 
 def load_prompts(args, tokenizer, reward) -> tuple[dict, list, list]:
-    """The training prompts, tokenised, with the columns the reward needs, and the eval split, read (and so checked)
+    """The training prompts, tokenised, with the columns the reward needs, and the eval split, read (so checked)
     before the model loads -> (data, eval prompts, eval answers)."""
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
     train = load_split(args, "dataset_split", [args.prompt_column, *columns.values()],
@@ -542,8 +534,9 @@ def load_prompts(args, tokenizer, reward) -> tuple[dict, list, list]:
 
 
 def load_policy(args, run, tokenizer):
-    """The policy (dropout off; LoRA with --lora-r) as Forward(completion_logprobs) for DDP or FSDP2, and (beta > 0, no
-    LoRA) a frozen copy as the reference -> (model, policy, ref_model, EOS ids)."""
+    """The policy (dropout off; LoRA with --lora-r) as Forward(completion_logprobs) under DDP or FSDP2, and with
+    beta > 0 the frozen reference (a copy, or the policy without its LoRA adapters) -> (model, policy, reference, EOS
+    ids)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(run.device)
     for m in model.modules():
@@ -552,23 +545,23 @@ def load_policy(args, run, tokenizer):
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = None
+    reference = None
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                           target_modules="all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
+        reference = Forward(logprobs_without_adapters, model) if args.beta > 0 else None
     elif args.beta > 0:
-        ref_model = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
+        reference = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
     policy = Forward(completion_logprobs, model)
-    if run.fsdp:  # each decoder layer sharded over the processes, the reference too (FSDP2)
+    if run.fsdp:  # each decoder layer sharded over the processes, the reference's too
         policy = run.shard(policy, decoder_layers(model))
-        ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
+        reference = reference and run.shard(reference, decoder_layers(reference))
     elif run.ddp:
-        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[run.device] if run.device.type == "cuda"
-                                                           else None)
-    return model, policy, ref_model, eos_ids
+        policy = torch.nn.parallel.DistributedDataParallel(policy)
+    return model, policy, reference, eos_ids
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
@@ -589,11 +582,10 @@ def main(args: Args) -> dict:
     data, eval_prompts, eval_answers = load_prompts(args, tokenizer, reward)
 
     # 2. Model: the policy (optionally with LoRA adapters) and, only when beta > 0, a frozen reference.
-    model, policy, ref_model, eos_ids = load_policy(args, run, tokenizer)
+    model, policy, reference, eos_ids = load_policy(args, run, tokenizer)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, eos_token_id=eos_ids,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id)
-    reference = (lambda inputs: reference_logprobs(ref_model, model, inputs, args.temperature)) if args.beta else None
 
     # 3. Optimiser, schedule and data order (one per process); on --resume the weights, then all their states.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -608,7 +600,7 @@ def main(args: Args) -> dict:
         reward.load_state_dict(state["reward"])
         order.load(state)
         lr_anchor = state["lr_anchor"]
-        if "total_steps" in overrides:  # the decay continues from where it is to the new last step
+        if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
             lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
                                               args.lr_schedule, lr_anchor))
 
@@ -631,14 +623,14 @@ def main(args: Args) -> dict:
     # 4. Train.
     G, groups = args.num_generations, args.prompts_per_step // run.world
     run.say(f"run directory: {run.dir}  |  {len(data['ids'])} training prompts, {len(eval_prompts)} eval prompts, "
-            f"{sum(p.numel() for p in optimizer.param_groups[0]['params']) / 1e6:.2f}M trainable parameters on "
-            f"{run.device}, micro-batch {micro}")
-    final, last_log = {}, run.start
+            f"micro-batch {micro}")
+    final = {}
+    last_log = run.start
     timing = dict.fromkeys(("step", "generate", "score", "train", "tokens"), 0.0)  # since the last log row
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
-            # 4a. Sample G completions for each prompt and score them (Algorithm 1 of arXiv:2402.03300); with dynamic
+            # 4a. Sample G completions of each prompt and score them (Algorithm 1 of arXiv:2402.03300); with dynamic
             #     sampling, replace groups whose rewards are all equal (DAPO, Sec. 3.2).
             with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
                 if args.dynamic_sampling:
@@ -650,7 +642,7 @@ def main(args: Args) -> dict:
             rewards = run.gather(batch["rewards"]["total"].to(run.device)).view(-1, G)
             advantages = group_advantages(rewards, args.scale_rewards, args.baseline).view(run.world, -1)[run.rank]
             mask = batch["completion_mask"]
-            if args.mask_truncated_completions:  # DAPO's overlong filtering (Sec. 3.4): cut-off completions get no loss
+            if args.mask_truncated_completions:  # DAPO's overlong filtering (Sec. 3.4)
                 mask = mask * ~batch["truncated"][:, None]
             # (under --fsdp every process runs as many passes as the others: each gathers and reduces over them all)
             chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0 and not run.fsdp)
@@ -681,39 +673,28 @@ def main(args: Args) -> dict:
 
 
 def check_args(args: Args) -> int:
-    """Every check that needs no model or data, before any work -> the micro-batch each process uses."""
+    """Every check that needs no model or data -> the micro-batch each process uses."""
     check_common(args, ("total_steps", "prompts_per_step", "max_completion_length", "max_prompt_length", "log_every",
-                        "num_iterations", "learning_rate"),
+                        "num_iterations", "learning_rate", "temperature"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "max_resample_rounds", "lora_r",
-                  "num_sample_completions", "micro_batch_size"), (args.model_name_or_path,))
-    if args.num_generations < 2:
-        raise ValueError(f"--num-generations must be >= 2, got {args.num_generations}: GRPO compares completions of "
-                         f"the same prompt")
+                  "num_sample_completions", "micro_batch_size", "beta", "clip_low", "clip_high"),
+                 (args.model_name_or_path,))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if args.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} does not split evenly over {world} processes: "
-                         f"use a multiple of {world}")
-    micro = fit_micro_batch(args.micro_batch_size, args.prompts_per_step // world * args.num_generations,
-                            f"--prompts-per-step / {world} processes x --num-generations")
-    if not args.temperature > 0:
-        raise ValueError(f"need --temperature > 0, got {args.temperature}")
-    if args.beta < 0 or not (0 <= args.clip_low <= 1) or args.clip_high < 0:
-        raise ValueError(f"need --beta >= 0, 0 <= --clip-low <= 1 and --clip-high >= 0, got {args.beta}, "
-                         f"{args.clip_low}, {args.clip_high}")
-    if args.importance_sampling_cap is not None and args.importance_sampling_cap < 1:
-        raise ValueError(f"--importance-sampling-cap {args.importance_sampling_cap} must be >= 1, e.g. 2 (it caps "
-                         f"pi_old / pi_sampler), or None")
-    if args.delta is not None and (args.delta <= 1 + args.clip_high or args.loss_type == "cispo"):
-        raise ValueError(f"--delta {args.delta} caps the ratio of negative-advantage tokens: it needs a clip loss type "
-                         f"and a value above 1 + --clip-high = {1 + args.clip_high}, e.g. 4, or None")
-    if not 0 < args.top_entropy_quantile <= 1:
-        raise ValueError(f"--top-entropy-quantile must be in (0, 1], got {args.top_entropy_quantile}")
-    if args.lora_r:
-        try:
-            import peft  # noqa: F401
-        except ImportError:
-            raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)") from None
-    return micro
+    cap, delta = args.importance_sampling_cap, args.delta
+    for bad, message in (
+            (args.num_generations < 2, "--num-generations must be >= 2: GRPO compares completions of the same prompt"),
+            (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
+            (args.clip_low > 1, f"--clip-low must be <= 1, got {args.clip_low}"),
+            (cap is not None and cap < 1, f"--importance-sampling-cap {cap} must be >= 1, e.g. 2, or None"),
+            (delta is not None and (delta <= 1 + args.clip_high or args.loss_type == "cispo"),
+             f"--delta {delta}: it needs a clip loss type and a value above 1 + --clip-high = {1 + args.clip_high}"),
+            (not 0 < args.top_entropy_quantile <= 1, "--top-entropy-quantile must be in (0, 1]"),
+            (args.lora_r and importlib.util.find_spec("peft") is None,
+             "--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")):
+        if bad:
+            raise ValueError(message)
+    return fit_micro_batch(args.micro_batch_size, args.prompts_per_step // world * args.num_generations,
+                           f"--prompts-per-step / {world} processes x --num-generations")
 
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.

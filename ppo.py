@@ -646,8 +646,8 @@ def gold_rewards(gold, batch: dict, data: dict, rows: list[int]) -> torch.Tensor
 
 
 def load_policy_and_value_model(args, device, tokenizer):
-    """The policy and the value model (dropout off, LoRA on both), and the frozen reference (None with LoRA or
-    beta = 0) -> (model, value model, reference, EOS ids)."""
+    """The policy, the value model (dropout off, LoRA on both) and the frozen reference (None with LoRA or beta = 0)
+    -> (model, value model, reference, EOS ids)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device)
     value_model = load_value_model(args.value_model_name_or_path or args.model_name_or_path, dtype,
@@ -707,7 +707,7 @@ def main(args: Args) -> dict:
     # 2. Models: the policy and the value model, one module for DDP / FSDP2; the frozen reference.
     model, value_model, ref_model, eos_ids = load_policy_and_value_model(args, device, tokenizer)
     raw_actor_critic = actor_critic = PolicyAndValueModel(model, value_model, tokenizer)
-    if run.fsdp:  # each decoder layer of both models sharded over the processes, the reference too (FSDP2)
+    if run.fsdp:  # each decoder layer of the three models sharded over the processes
         actor_critic = run.shard(actor_critic, decoder_layers(model) + decoder_layers(value_model))
         ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
     elif run.ddp:
@@ -718,7 +718,7 @@ def main(args: Args) -> dict:
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
 
-    # 3. Optimiser (a parameter group per model), schedule, KL controller, data order; on --resume all their states.
+    # 3. Optimiser (a parameter group per model), schedule, KL controller, data order; on --resume their states.
     param_groups = [{"params": [p for p in m.parameters() if p.requires_grad], "lr": lr}
                     for m, lr in ((model, args.learning_rate), (value_model, args.value_learning_rate))]
     optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.99), weight_decay=args.weight_decay)
@@ -769,9 +769,9 @@ def main(args: Args) -> dict:
                 rows = [i for i in order.draw(args.prompts_per_step // world) for _ in range(G)]
                 batch = ppo_rollout(model, tokenizer, data, rows, gen_config, args.generation_backend, eos_tensor,
                                     reward, autocast, timing)
-            if args.center_scores_per_prompt:  # the reward less its prompt's mean (rewards/<name> stay raw)
+            if args.center_scores_per_prompt:  # rewards/<name> stay raw
                 batch["rewards"]["total"] = centre_per_prompt(batch["rewards"]["total"], G)
-            if gold is not None:  # logged as rewards/gold beside the reward, never in the loss
+            if gold is not None:  # logged, never in the loss
                 batch["rewards"]["gold"] = gold_rewards(gold, batch, data, rows)
             t_train = time.perf_counter()
             # 4b. pi_old's and pi_ref's log-probs and V_old, without gradients; the sampler gap (the mean
@@ -779,7 +779,7 @@ def main(args: Args) -> dict:
             batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast)
             mask = batch["completion_mask"]
             gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum(), mask.sum())
-            # 4c. Per-token rewards (-beta KL_t, the score at the last token), GAE, whitened advantages.
+            # 4c. Per-token rewards -beta KL_t + [t = last] s, GAE, whitened advantages.
             kl_coef = kl_ctl.value
             batch.update(compute_advantages(batch, kl_coef, args))
             # 4d. PPO epochs over shuffled mini-batches: the clipped policy and value losses, the entropy bonus.
@@ -793,7 +793,7 @@ def main(args: Args) -> dict:
             timing["step"] += time.perf_counter() - t_step
             tokens += int(batch["attention"].sum()) * world
 
-            # 4f. Log rewards per component, KL, losses, clipping, the critic's fit and timings.
+            # 4f. Log.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **ppo_metrics(run, batch, stats, kl_coef, batch_kl, args), "train/lr": lr,
                          "train/sampler_gap": gap, **perf_metrics(timing, tokens, step - last_log)}
@@ -829,7 +829,7 @@ def check_args(args: Args) -> int:
             (args.value_model_layers > blocks, f"--value-model-layers: use 0 (all) to {blocks}, its decoder layers"),
             (args.pause_at_step >= args.total_steps, "--pause-at-step must be before --total-steps (or 0: never)"),
             (args.center_scores_per_prompt and args.num_generations < 2,
-             "--center-scores-per-prompt needs --num-generations 2 or more")):
+             "--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more")):
         if bad:
             raise ValueError(message)
     return check_ppo_args(args)
