@@ -289,24 +289,17 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which tokens belong to each completion: everything up to and including its first EOS.
-
-    completion_ids: [B, T]; eos_ids: [K] -> (mask [B, T] float32, truncated [B] bool: no EOS in T tokens).
-    """
+    """completion_ids: [B, T]; eos_ids: [K] -> (mask [B, T] float32: the tokens up to and including the first EOS,
+    truncated [B] bool: no EOS)."""
     is_eos = torch.isin(completion_ids, eos_ids)
-    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # EOS tokens strictly before t
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
     return (eos_before == 0).float(), ~is_eos.any(dim=1)
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                         temperature: float, with_entropy: bool = False):
-    """Log-probs of the completion tokens from the last hidden states and the lm_head, never the full logits.
-
-    input_ids, attention_mask: [B, Tp + Tc], prompts left-padded to Tp, then the completions
-    -> logp [B, Tc] float32 (, entropy [B, Tc]). Hidden state t predicts token t + 1. Positions count
-    real tokens only, as `generate` does with left padding. The head's bias, logit scale (Cohere) and
-    soft-capping (Gemma 2) are applied (lm_head).
-    """
+    """input_ids, attention_mask: [B, Tp + Tc], prompts left-padded to Tp -> log-probs [B, Tc] float32 (, entropy
+    [B, Tc]) from the hidden states and lm_head, never the full logits. Positions count real tokens, as in generate."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
@@ -358,26 +351,18 @@ def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
 
 
 def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
-    """Rows grouped `size` at a time by completion length (longest first), with the columns each group needs,
-    so that a micro-batch is padded to its own longest prompt and completion rather than the batch's.
-
-    prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc]
-    -> [(rows [size] long, first prompt column kept, completion columns kept)].
-    """
+    """prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc] -> `size` rows at a time, longest completion
+    first: [(rows, first column holding a prompt token, completion width)]."""
     lengths = completion_mask.sum(dim=1)
     out = []
     for rows in torch.argsort(lengths, descending=True, stable=True).split(size):
-        first = int(prompt_mask[rows].any(dim=0).float().argmax())  # the first column holding a prompt token
-        out.append((rows, first, int(lengths[rows].max())))
+        out.append((rows, int(prompt_mask[rows].any(dim=0).float().argmax()), int(lengths[rows].max())))
     return out
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak learning rate: linear warmup, then cosine/linear decay to 0 or constant.
-
-    anchor (s0, f0): a run resumed at step s0 (after warmup) with a new `total`: the decay starts again from the
-    factor f0 it had reached and ends at 0 on the new last step, so the lr neither jumps nor stops early.
-    """
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
+    at s0 with a new `total`, the decay goes on from f0 to 0 at the new last step."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -389,18 +374,14 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids [B, T] left-padded with pad_id, attention mask [B, T])."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-    return ids, mask
+    ids = [torch.tensor(r, dtype=torch.long) for r in rows]
+    pad = torch.nn.utils.rnn.pad_sequence
+    return (pad(ids, batch_first=True, padding_value=pad_id, padding_side="left"),
+            pad([torch.ones_like(r) for r in ids], batch_first=True, padding_side="left"))
 
 
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
-    """The prompts as text: as they are, or (chat models) wrapped in the tokenizer's chat template."""
+    """The prompts as text: as they are, or wrapped in the tokenizer's chat template."""
     if not use_chat_template:
         if not isinstance(values[0], str):
             raise ValueError(f"prompts in column '{column}' are chat messages: pass --use-chat-template")
@@ -444,7 +425,8 @@ class DataOrder:
     """Prompt indices in seeded random epochs; draws go on across steps, and across a resume."""
 
     def __init__(self, n: int, seed: int):
-        self.n, self.gen = n, torch.Generator().manual_seed(seed)
+        self.n = n
+        self.gen = torch.Generator().manual_seed(seed)
         self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
 
     def draw(self, k: int) -> list[int]:
@@ -487,8 +469,8 @@ def ppo_rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backe
 
 
 def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance sampling (TIS): min(pi_old / pi_sampler, cap) per token, 1 on padding -> (weights,
-    capped). The sampler drew the tokens; the loss is an expectation under pi_old (the trainer's numerics)."""
+    """[B, T] each -> (min(pi_old / pi_sampler, cap) per token, 1 on padding; capped [B, T] bool): the sampler drew
+    the tokens, the loss is an expectation under pi_old (the trainer's numerics)."""
     ratio = torch.exp((old_logp - sampler_logp) * mask)
     return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
 
@@ -1188,7 +1170,8 @@ class Run:
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
-        self.args, self.overrides, self.shown, self.ddp = args, overrides, shown, "LOCAL_RANK" in os.environ
+        self.args, self.overrides, self.shown = args, overrides, shown
+        self.ddp = "LOCAL_RANK" in os.environ
         self.rank, self.world = 0, 1
         if self.ddp:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -1214,8 +1197,14 @@ class Run:
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
-        if self.fsdp:
-            self.load_sharded(path)
+        if self.fsdp:  # each process reads its own shards of the weights and the optimizer states
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_state, optim_state = get_state_dict(*self.trained)
+            shards = {"model": model_state, "optimizer": optim_state}
+            dcp.load(shards, checkpoint_id=str(path / "sharded"))
+            set_state_dict(*self.trained, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
         elif getattr(self.args, "lora_r", 0):
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
@@ -1281,16 +1270,6 @@ class Run:
         for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
             whole[k] = whole[first.setdefault(id(v), k)]
         return whole
-
-    def load_sharded(self, path) -> None:
-        """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_state, optim_state = get_state_dict(*self.trained)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(Path(path) / "sharded"))
-        set_state_dict(*self.trained, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] on each process -> [world * n, ...] in rank order."""

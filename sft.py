@@ -162,11 +162,8 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak learning rate: linear warmup, then cosine/linear decay to 0 or constant.
-
-    anchor (s0, f0): a run resumed at step s0 (after warmup) with a new `total`: the decay starts again from the
-    factor f0 it had reached and ends at 0 on the new last step, so the lr neither jumps nor stops early.
-    """
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
+    at s0 with a new `total`, the decay goes on from f0 to 0 at the new last step."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -574,7 +571,8 @@ class Run:
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
-        self.args, self.overrides, self.shown, self.ddp = args, overrides, shown, "LOCAL_RANK" in os.environ
+        self.args, self.overrides, self.shown = args, overrides, shown
+        self.ddp = "LOCAL_RANK" in os.environ
         self.rank, self.world = 0, 1
         if self.ddp:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -600,8 +598,14 @@ class Run:
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
-        if self.fsdp:
-            self.load_sharded(path)
+        if self.fsdp:  # each process reads its own shards of the weights and the optimizer states
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_state, optim_state = get_state_dict(*self.trained)
+            shards = {"model": model_state, "optimizer": optim_state}
+            dcp.load(shards, checkpoint_id=str(path / "sharded"))
+            set_state_dict(*self.trained, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
         elif getattr(self.args, "lora_r", 0):
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
@@ -667,16 +671,6 @@ class Run:
         for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
             whole[k] = whole[first.setdefault(id(v), k)]
         return whole
-
-    def load_sharded(self, path) -> None:
-        """--fsdp --resume: each process reads its shards of the weights and optimizer states from `path`/sharded."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_state, optim_state = get_state_dict(*self.trained)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(Path(path) / "sharded"))
-        set_state_dict(*self.trained, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] on each process -> [world * n, ...] in rank order."""
