@@ -755,8 +755,9 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise
         raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
     missing = [c for c in columns if c not in ds.column_names]
-    if missing and file.is_file() and json_lines_problem(file, option):  # e.g. rows that are JSON lists
-        raise ValueError(f"{file}{json_lines_problem(file, option)}")
+    problem = missing and file.is_file() and json_lines_problem(file, option)  # e.g. rows that are JSON lists
+    if problem:
+        raise ValueError(f"{file}{problem}")
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))

@@ -830,8 +830,7 @@ class SampledLogprobs:
 
 def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts -> completions [B, Tc] (padded after EOS) and the log-probs they were sampled with. shared:
-    generate, each run of equal rows prefilled once and its KV cache repeated; static: a static KV cache (compiled on
-    CUDA)."""
+    generate, each run of equal rows prefilled once, its KV cache repeated; static: a static KV cache."""
     from transformers import DynamicCache
 
     training = model.training
@@ -841,15 +840,15 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
         # values stay bf16, which it cannot hold: so it samples in the weights' own dtype, autocast off
         gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
         precision = torch.autocast(ids.device.type, enabled=False)
-    rows, counts = torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
-    if backend == "shared" and len(rows) < len(ids) and ids.shape[1] > 1:  # all but the last prompt token, once a group
-        unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)
-        cache = DynamicCache(config=model.config)
-        model(input_ids=unique_ids[:, :-1], attention_mask=unique_mask[:, :-1], past_key_values=cache,
-              position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
-        cache.batch_repeat_interleave(counts)
-        extra["past_key_values"] = cache
     try:
+        rows, counts = torch.unique_consecutive(torch.cat([ids, mask], dim=1), dim=0, return_counts=True)
+        if backend == "shared" and len(rows) < len(ids) and ids.shape[1] > 1:  # all but the last token, once a group
+            unique_ids, unique_mask = rows.split(ids.shape[1], dim=1)
+            cache = DynamicCache(config=model.config)
+            model(input_ids=unique_ids[:, :-1], attention_mask=unique_mask[:, :-1], past_key_values=cache,
+                  position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
+            cache.batch_repeat_interleave(counts)
+            extra["past_key_values"] = cache
         with precision:  # (--fsdp samples with whole weights: no lockstep)
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
                                  logits_processor=[seen], synced_gpus=False, **extra)
@@ -905,8 +904,9 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise
         raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
     missing = [c for c in columns if c not in ds.column_names]
-    if missing and file.is_file() and json_lines_problem(file, option):  # e.g. rows that are JSON lists
-        raise ValueError(f"{file}{json_lines_problem(file, option)}")
+    problem = missing and file.is_file() and json_lines_problem(file, option)  # e.g. rows that are JSON lists
+    if problem:
+        raise ValueError(f"{file}{problem}")
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
