@@ -311,8 +311,8 @@ def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
 
 
 def optimizer_and_schedule(args, run, trained, model, overrides: dict) -> tuple:
-    """AdamW on the trainable weights and lr_factor's schedule; on --resume the weights and both states -> (optimizer,
-    scheduler, anchor, trainer_state.pt's dict). anchor[0] is lr_factor's: a resumed run's new --total-steps."""
+    """AdamW and lr_factor's schedule; on --resume the weights and both states -> (optimizer, scheduler, anchor,
+    trainer_state.pt's dict); anchor[0]: lr_factor's (s0, f0) once a resume changes --total-steps."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
     run.trained = (trained, optimizer)  # what --fsdp checkpoints in shards

@@ -14,7 +14,7 @@ Variants (equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards
 
 Deviations (why, and the measurements: docs/grpo.md):
 - Defaults fit the embedded 0.9M-parameter model: `--scale-rewards none`, mu = 2, beta = 0.
-- With beta = 0, zero-advantage completions skip the forward and backward pass (their gradient is exactly 0).
+- With beta = 0 (not under --fsdp), zero-advantage completions skip the forward and backward pass (gradient 0).
 - Log-probs are of softmax(logits / T), the distribution sampled from; dropout is off.
 - std is the unbiased one + 1e-4; over-long prompts keep their last tokens (both as TRL).
 - Under torchrun each process draws its own prompts; rewards are gathered for batch-level statistics.
@@ -156,13 +156,13 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
     generation_backend: Literal["shared", "static"] = "shared"
-    """shared: each group's prompt prefilled once; static: static KV cache, compiled on CUDA"""
+    """shared: each group's prompt prefilled once; static: a static KV cache"""
     fsdp: bool = False
     """under torchrun, shard weights, gradients and AdamW states (FSDP2) instead of DDP"""
     exp_name: str = "grpo"
     """experiment name, part of the run directory's"""
     seed: int = 1
-    """seed of python, numpy, torch and the data order"""
+    """seed of the RNGs and the data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
@@ -172,7 +172,7 @@ class Args:
     output_dir: str = "runs"
     """where run directories are created"""
     run_name: tyro.conf.Suppress[str] = ""
-    """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
+    """set at run time"""
 
 
 # ---- the algorithm
@@ -190,7 +190,7 @@ def group_advantages(rewards: torch.Tensor, scale: str, baseline: str = "mean") 
         advantages = advantages / (rewards.std(dim=1, keepdim=True) + 1e-4)
     elif scale == "batch":
         advantages = advantages / (rewards.std() + 1e-4)
-    return advantages * informative_groups(rewards)[:, None]
+    return advantages.masked_fill(~informative_groups(rewards)[:, None], 0.0)
 
 
 def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
@@ -581,6 +581,7 @@ def main(args: Args) -> dict:
 
     # 2. Model: the policy (optionally with LoRA adapters) and, only when beta > 0, a frozen reference.
     model, policy, reference, eos_ids = load_policy(args, run, tokenizer)
+    eos = torch.tensor(eos_ids, device=run.device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, eos_token_id=eos_ids,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id)
@@ -616,7 +617,7 @@ def main(args: Args) -> dict:
 
     def draw(n: int) -> dict:
         return rollout(model, tokenizer, data, [i for i in order.draw(n) for _ in range(G)], gen_config,
-                       args.generation_backend, torch.tensor(eos_ids, device=run.device), reward, autocast, timing)
+                       args.generation_backend, eos, reward, autocast, timing)
 
     # 4. Train.
     G, groups = args.num_generations, args.prompts_per_step // run.world

@@ -103,7 +103,7 @@ class Args:
     kl_controller: Literal["fixed", "adaptive", "step"] = "fixed"
     """fixed beta; adaptive (Ziegler et al. Sec. 2.2) or step (x or / 1.5), both need --kl-target"""
     kl_target: float = 0.0
-    """target batch KL (mean over completions of the summed per-token KL) of the adaptive and step controllers"""
+    """target KL per completion (summed over its tokens) of the adaptive and step controllers"""
     kl_horizon: int = 10000
     """adaptive controller's horizon, in completions"""
     gamma: float = 1.0
@@ -129,9 +129,9 @@ class Args:
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
     target_kl: Optional[float] = None
-    """stop a step's epochs once an epoch's mean approximate KL(pi_old || pi) exceeds this (None: never)"""
+    """stop a step's epochs once an epoch's approximate KL(pi_old || pi) exceeds this (None: never)"""
     importance_sampling_cap: Optional[float] = None
-    """truncated importance sampling (TIS): each token's loss times min(pi_old / pi_sampler, cap) (None: off)"""
+    """TIS (truncated importance sampling): loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
@@ -161,7 +161,7 @@ class Args:
     eval_limit: int = 500
     """evaluate on at most this many eval examples"""
     lora_r: int = 0
-    """rank of LoRA adapters on every linear layer (0: train all weights; the value head trains in full)"""
+    """LoRA rank on every linear layer (0: train all weights; the value head always trains in full)"""
     lora_alpha: float = 32.0
     """LoRA scaling numerator (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
@@ -207,7 +207,7 @@ class Args:
     lr_step_size: int = 100
     """steps between decays (step), of a half-cycle (cyclic), of a cycle (cosineannealing_warm_restarts)"""
     lr_decay: float = 0.5
-    """the lr factor of each decay (step, multistep, exponential) or on a plateau (reduce_on_plateau)"""
+    """lr factor of each decay (step, multistep, exponential, reduce_on_plateau)"""
     lr_milestones: tuple[int, ...] = (200, 300)
     """multistep: steps at which the lr decays"""
     lr_num_cycles: int = 1
@@ -241,7 +241,7 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
     generation_backend: Literal["shared", "static"] = "shared"
-    """shared: generate, each prompt prefilled once; static: a static KV cache (compiled on CUDA)"""
+    """shared: generate, each prompt prefilled once; static: a static KV cache"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     fsdp: bool = False
@@ -1026,10 +1026,11 @@ def check_ppo_args(args) -> int:
     """The PPO flags' checks -> the micro-batch each process uses."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_process = args.prompts_per_step // world * args.num_generations
+    works = max(d for d in range(1, args.num_mini_batches + 1) if per_process % d == 0)
     for bad, message in (
             (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
             (per_process % args.num_mini_batches, f"--num-mini-batches must divide each process's {per_process} "
-                                                  f"completions (--prompts-per-step / processes x --num-generations)"),
+                                                  f"completions: use --num-mini-batches {works}"),
             (args.kl_controller != "fixed" and not (args.kl_target > 0 and args.beta > 0),
              f"--kl-controller {args.kl_controller} needs a positive --kl-target (e.g. 1.0) and --beta"),
             (not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1),

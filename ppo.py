@@ -79,7 +79,7 @@ class Args:
     kl_controller: Literal["fixed", "adaptive", "step"] = "fixed"
     """fixed beta; adaptive (Ziegler et al. Sec. 2.2) or step (x or / 1.5), both need --kl-target"""
     kl_target: float = 0.0
-    """target batch KL (mean over completions of the summed per-token KL) of the adaptive and step controllers"""
+    """target KL per completion (summed over its tokens) of the adaptive and step controllers"""
     kl_horizon: int = 10000
     """adaptive controller's horizon, in completions"""
     gamma: float = 1.0
@@ -107,13 +107,13 @@ class Args:
     target_kl: Optional[float] = None
     """stop a step's epochs once an epoch's mean approximate KL(pi_old || pi) exceeds this (None: never)"""
     importance_sampling_cap: Optional[float] = None
-    """truncated importance sampling (TIS): each token's loss times min(pi_old / pi_sampler, cap) (None: off)"""
+    """TIS (truncated importance sampling): loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
     """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
     value_model_name_or_path: Optional[str] = None
-    """folder or hub id of the value model's backbone (and head, if it has one) (None: the policy's)"""
+    """folder or hub id of the value model's backbone (None: the policy's)"""
     value_model_layers: int = 0
     """keep the value model's first N decoder layers only (0: all)"""
     dataset: str = "data/arith"
@@ -179,7 +179,7 @@ class Args:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
     generation_backend: Literal["shared", "static"] = "shared"
-    """shared: generate, each prompt prefilled once; static: a static KV cache (compiled on CUDA)"""
+    """shared: generate, each prompt prefilled once; static: a static KV cache"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     fsdp: bool = False
@@ -821,10 +821,11 @@ def check_ppo_args(args) -> int:
     """The PPO flags' checks -> the micro-batch each process uses."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_process = args.prompts_per_step // world * args.num_generations
+    works = max(d for d in range(1, args.num_mini_batches + 1) if per_process % d == 0)
     for bad, message in (
             (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
             (per_process % args.num_mini_batches, f"--num-mini-batches must divide each process's {per_process} "
-                                                  f"completions (--prompts-per-step / processes x --num-generations)"),
+                                                  f"completions: use --num-mini-batches {works}"),
             (args.kl_controller != "fixed" and not (args.kl_target > 0 and args.beta > 0),
              f"--kl-controller {args.kl_controller} needs a positive --kl-target (e.g. 1.0) and --beta"),
             (not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1),

@@ -8,14 +8,13 @@ Run (details: docs/sft.md):
     python sft.py                                       # 100 more SFT steps on models/tiny-arith, CPU
     python sft.py --model-config models/tiny-arith-config.json --tokenizer-name-or-path data/arith/tokenizer \
         --total-steps 250 --learning-rate 2e-3 --warmup-steps 25 --eval-every 50 --final-dir models/tiny-arith
-    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/hub-dataset --dataset-split train
+    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/hub-dataset --dataset-split train \
+        --prompt-column question --completion-column response --max-length 1024
     torchrun --nproc-per-node 2 sft.py                  # DDP (gloo on CPU, nccl on GPU)
 
-Choices: the loss is the token mean over the whole optimiser step (all micro-batches and processes), so gradient
-accumulation and DDP give the gradient of one big batch; --packing does not block attention between packed
-examples (as TRL's simple packing).
+Choices: the loss is the token mean over the whole step (micro-batches and processes: one big batch's gradient);
+--packing does not block attention between packed examples (TRL's simple packing).
 """
-
 import contextlib
 import json
 import math
@@ -76,9 +75,9 @@ class Args:
     learning_rate: float = 3e-4
     """peak learning rate of AdamW"""
     total_steps: int = 100
-    """optimiser steps; may change on --resume (the lr decay then ends at the new last step)"""
+    """optimiser steps (may change on --resume: the decay then ends at the new last step)"""
     batch_size: int = 64
-    """sequences (or packed rows) per optimiser step, over all processes and micro-batches"""
+    """sequences (or packed rows) per optimiser step, over all processes"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimiser step"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -98,7 +97,7 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments (cadence flags may change)"""
+    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     final_dir: Optional[str] = None
     """also write the final model here (e.g. models/tiny-arith)"""
 
@@ -106,7 +105,7 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states over the processes (FSDP2) instead of DDP"""
+    """under torchrun, shard weights, gradients and AdamW states (FSDP2) instead of DDP"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -200,10 +199,10 @@ def make_model(args: Args, vocab_size: int):
 
 
 def batch_indices(step: int, n: int, size: int, seed: int) -> list[int]:
-    """Step `step`'s global batch: epochs of a permutation seeded by seed + epoch, the tail shorter than a batch
-    skipped; a function of the step alone, so every process and a resumed run draw the same."""
+    """Step `step`'s global batch: epochs of a permutation seeded by seed + 1000003 epoch (neighbouring seeds share
+    none), the tail shorter than a batch skipped; a function of the step, so processes and resumes draw the same."""
     epoch, k = divmod(step - 1, n // size)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1_000_003 * epoch))
     return order[k * size : (k + 1) * size].tolist()
 
 

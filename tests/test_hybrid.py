@@ -459,7 +459,8 @@ def test_resume_restores_the_value_head_and_the_kl_controller_and_refuses_total_
     ({"sft_split": "nope"}, "has no nope.jsonl"),
     ({"value_head_lr": 0.0}, "--value-head-lr must be positive"),
     ({"kl_controller": "adaptive"}, "--kl-controller adaptive needs a positive --kl-target"),
-    ({"prompts_per_step": 4, "num_mini_batches": 3}, "--num-mini-batches must divide each process's 4 completions"),
+    ({"prompts_per_step": 4, "num_mini_batches": 3}, "--num-mini-batches must divide each process's 4 completions: "
+                                                     "use --num-mini-batches 2"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, monkeypatch, overrides, message):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)

@@ -303,7 +303,8 @@ def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_
     ({"kl_controller": "adaptive"}, "--kl-controller adaptive needs a positive --kl-target"),
     ({"kl_controller": "step", "kl_target": -1.0}, "needs a positive --kl-target"),
     ({"kl_controller": "step", "kl_target": 1.0, "beta": 0.0}, "needs a positive --kl-target (e.g. 1.0) and --beta"),
-    ({"prompts_per_step": 6, "num_mini_batches": 4}, "--num-mini-batches must divide each process's 6 completions"),
+    ({"prompts_per_step": 6, "num_mini_batches": 4}, "--num-mini-batches must divide each process's 6 completions: "
+                                                     "use --num-mini-batches 3"),
     ({"value_model_name_or_path": "models/nope"}, "--value-model-name-or-path: model 'models/nope' does not exist"),
     ({"value_model_layers": 3}, "--value-model-layers: use 0 (all) to 2"),
     ({"value_model_layers": -1}, "--value-model-layers must be >= 0"),

@@ -79,8 +79,10 @@ def test_batch_indices_epochs_skip_the_tail():
     assert all(len(b) == 4 for b in draw)
     assert len(set(draw[0] + draw[1])) == 8  # one epoch: no index twice
     assert len(set(draw[2] + draw[3])) == 8  # 2 left in the first epoch < 4: step 3 starts the second
-    assert draw[0] + draw[1] != draw[2] + draw[3] and draw[4] == sft.batch_indices(5, n=10, size=4, seed=0)
     assert draw[0] == torch.randperm(10, generator=torch.Generator().manual_seed(0))[:4].tolist()
+    assert draw[2] == torch.randperm(10, generator=torch.Generator().manual_seed(1_000_003))[:4].tolist()
+    # seed 0's second epoch is not seed 1's first: runs with neighbouring seeds are independent
+    assert sft.batch_indices(1, n=1000, size=10, seed=1) != sft.batch_indices(101, n=1000, size=10, seed=0)
 
 
 def test_gradient_accumulation_gives_the_one_batch_update(tiny):
