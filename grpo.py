@@ -145,6 +145,8 @@ class Args:
     """steps between evaluations (0: at start and end only)"""
     save_every: int = 0
     """steps between checkpoints (0: at the end and on Ctrl-C only)"""
+    save_every_minutes: float = 30.0
+    """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     num_sample_completions: int = 8
@@ -171,6 +173,8 @@ class Args:
     """Weights & Biases team or user"""
     output_dir: str = "runs"
     """where run directories are created"""
+    run_dir: Optional[str] = None
+    """the run directory, if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>; must not exist"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time"""
 

@@ -228,12 +228,16 @@ class Args:
     """steps between greedy evaluations (0: only at start and end)"""
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
+    save_every_minutes: float = 30.0
+    """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     num_sample_completions: int = 8
     """completions per logging step in the --track table"""
     output_dir: str = "runs"
     """where run directories are created"""
+    run_dir: Optional[str] = None
+    """the run directory, if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>; must not exist"""
 
     # --- engineering / experiment
     device: str = "auto"

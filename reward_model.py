@@ -130,6 +130,8 @@ class Args:
     """steps between held-out evaluations (0: only at start and end)"""
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
+    save_every_minutes: float = 30.0
+    """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue"""
 
@@ -156,6 +158,8 @@ class Args:
     """Weights & Biases team or user"""
     output_dir: str = "runs"
     """where run directories are created"""
+    run_dir: Optional[str] = None
+    """the run directory, if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>; must not exist"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 

@@ -118,3 +118,17 @@ def tiny(tmp_path_factory):
     tok.save_pretrained(root / "model")
     make_arith.main(root / "data", seed=3, n_train=96, n_test=8, n_prefs=4, max_digits=2)
     return root
+
+
+def short_gpt2(folder: Path, n_positions: int) -> str:
+    """A random 1-layer GPT-2 with `n_positions` positions and the task's tokenizer, saved in `folder` -> its path
+    (for the context-length checks: GPT-2 names its context n_positions)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "data/arith/tokenizer")
+    config = GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=n_positions, vocab_size=len(tok),
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
