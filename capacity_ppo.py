@@ -1,24 +1,21 @@
 """Actor-critic PPO that learns which working-memory capacity n in {4, 6, 9, 12} a task needs.
 
 Before each task a controller picks n slots: more slots solve harder tasks but spend a finite energy budget. It
-reads the hidden difficulty off a noisy 60-dimensional "global workspace" and its own recent accuracy. The
-environment, `CapacityEnv`, is vectorised with torch tensors. Details: docs/capacity_ppo.md.
+reads the hidden difficulty off a noisy 60-dimensional "global workspace" and its own recent accuracy. Details:
+docs/capacity_ppo.md.
 
-Papers: PPO, clipped surrogate (Eq. 7) and objective (Eq. 9), https://arxiv.org/abs/1707.06347; GAE (Eq. 16),
-https://arxiv.org/abs/1506.02438; time limits (bootstrap at truncation only), https://arxiv.org/abs/1712.00378
+Papers: PPO, clipped surrogate (Eq. 7) and objective (Eq. 9), arXiv:1707.06347; GAE (Eq. 16), arXiv:1506.02438;
+time limits (bootstrap at truncation only), arXiv:1712.00378
 
     python capacity_ppo.py                                   # about 1 min on one CPU core
     python capacity_ppo.py --capacities 2 4 8 16 --seed 2    # another capacity set
-    python capacity_ppo.py --track --wandb-project-name cap  # log to Weights & Biases
     python capacity_ppo.py --resume runs/<run>/checkpoints/step_N   # continue, bit-identical
-    python plot.py runs/<run>                                # curves from metrics.jsonl
 
 Departures from the specification (reasons and measurements in the docs)
 - energy term -energy_cost * n, not -0.1 * energy_used / n^2 (under which a larger n costs less)
 - learning rate 2.5e-4 annealed linearly to 0, not 3e-4 constant
 - 64 environments x 64 steps in 4 minibatches, not 1 environment x 2048 steps in minibatches of 32
-- clipped value loss: the element-wise max (baselines' ppo2), not the max of the two means
-- value clipping off (--clip-vloss): its +-0.2 clip is in raw return units, returns are ~20
+- value clipping off (its +-0.2 is in raw return units, returns ~20); --clip-vloss: the element-wise max (ppo2)
 - GAE lambda 0.8, not 0.95: a capacity choice pays off at once
 - episodes start with the smallest capacity as "previous"; previous-capacity and dwell features in [0, 1]
 """
@@ -27,6 +24,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -169,15 +167,11 @@ class Args:
         return self.num_envs * self.num_steps
 
     @property
-    def minibatch_size(self) -> int:
-        return self.batch_size // self.num_minibatches
-
-    @property
     def num_iterations(self) -> int:
         return self.total_steps // self.batch_size
 
 
-OBS_SCALARS = 7  # difficulty estimate, rolling accuracy, budget, previous capacity, dwell, error rate, time
+OBS_SCALARS = 7  # CapacityEnv._observe's scalars
 
 
 # --- environment
@@ -409,7 +403,7 @@ def update(agent: Agent, optimizer, batch: dict, args: Args) -> dict:
     b = {k: v.flatten(0, 1) for k, v in batch.items()}
     clipfracs = []
     for epoch in range(args.update_epochs):
-        for mb in torch.randperm(args.batch_size, device=b["obs"].device).split(args.minibatch_size):
+        for mb in torch.randperm(args.batch_size, device=args.device).split(args.batch_size // args.num_minibatches):
             _, logp, entropy, value = agent.get_action_and_value(b["obs"][mb], b["actions"][mb])
             adv = normalize_advantages(b["advantages"][mb]) if args.norm_adv else b["advantages"][mb]
             pg_loss, approx_kl, clip_frac = mean_clipped_policy_loss(logp, b["logprobs"][mb], adv, args.clip_coef)
@@ -434,7 +428,7 @@ def update(agent: Agent, optimizer, batch: dict, args: Args) -> dict:
 
 
 def main(args: Args) -> dict:
-    args, run_dir, resume_state = start_run(args)  # checks, run directory, args.json, W&B
+    args, run_dir, resume_state = start_run(args)
     threads = torch.get_num_threads()  # restored at the end, for callers that import main
     torch.set_num_threads(args.torch_threads)
     torch.manual_seed(args.seed)
@@ -445,14 +439,16 @@ def main(args: Args) -> dict:
     agent = Agent(env.obs_dim, len(args.capacities), args.hidden_size, args.head_size).to(args.device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     env.reset()
-    iteration, global_step = restore_state(resume_state, agent, optimizer, env)
+    global_step = restore_state(resume_state, agent, optimizer, env)
     eval_metrics = evaluate(args, agent, args.device)
     if args.resume is None:
         log_metrics(run_dir, {"step": 0, **eval_metrics}, args.track)
     start_time = time.time()
     start_step = global_step
-    progress = tqdm(range(iteration + 1, args.num_iterations + 1), desc="capacity_ppo", unit="it")
-    state = capture_state(agent, optimizer, env, iteration, global_step)  # what Ctrl-C saves
+    progress = tqdm(range(global_step // args.batch_size + 1, args.num_iterations + 1), desc="capacity_ppo", unit="it")
+    state = capture_state(agent, optimizer, env, global_step)  # what Ctrl-C and SIGTERM save
+    stop = 0
+    previous = signal.signal(signal.SIGTERM, sigterm)
     try:
         for iteration in progress:
             if args.anneal_lr:
@@ -480,14 +476,16 @@ def main(args: Args) -> dict:
                 progress.set_postfix(eval_return=f"{eval_metrics['eval/return']:.2f}",
                                      gap_closed=f"{eval_metrics['eval/gap_closed']:.2f}")
             log_metrics(run_dir, row, args.track)
-            state = capture_state(agent, optimizer, env, iteration, global_step)
+            state = capture_state(agent, optimizer, env, global_step)
             if passed_multiple(global_step, args.save_every, args) and iteration < args.num_iterations:
                 save_checkpoint(run_dir, state, args)
-    except KeyboardInterrupt:  # the interrupted iteration's partial work is dropped; resuming redoes it exactly
-        print(f"\ninterrupted: saving the state at step {state['global_step']}")
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the iteration's partial work is dropped
+        stop = e.args[0] if e.args else signal.SIGINT
+        print(f"\n{signal.Signals(stop).name}: saving the state at step {state['global_step']}")
     finally:
         progress.close()
-    return finish_run(run_dir, state, eval_metrics, args, threads)
+        signal.signal(signal.SIGTERM, previous)
+    return finish_run(run_dir, state, eval_metrics, args, threads, stop)
 
 
 # ---- plumbing: evaluation, input checks, resume, run directory, metrics, W&B, checkpoints
@@ -511,11 +509,11 @@ def evaluate(args: Args, agent: Agent, device) -> dict:
         total = used = switches = steps = 0
         for _ in range(args.max_episode_steps):  # one episode in each environment
             action = policy(env)
-            switches = switches + ((action != env.state["prev_action"]) & alive).sum()
+            switches += ((action != env.state["prev_action"]) & alive).sum()
             _, reward, terminated, truncated, info = env.step(action)
-            total = total + reward * alive
-            used = used + (info["capacity"] * alive).sum()
-            steps = steps + alive.sum()
+            total += reward * alive
+            used += (info["capacity"] * alive).sum()
+            steps += alive.sum()
             alive &= ~(terminated | truncated)
         m[f"eval/{name}return"] = total.mean().item()
         if name == "":  # the greedy policy's mean capacity and switches per step
@@ -523,12 +521,10 @@ def evaluate(args: Args, agent: Agent, device) -> dict:
             m["eval/switch_rate"] = switches.item() / steps.item()
     best = max(args.capacities, key=lambda c: m[f"eval/fixed_{c}_return"])
     m["eval/best_fixed_capacity"] = best
-    m["eval/best_fixed_return"] = m[f"eval/fixed_{best}_return"]
-    ret = m["eval/return"]
+    fixed = m["eval/best_fixed_return"] = m[f"eval/fixed_{best}_return"]
     oracle = m["eval/oracle_return"]
-    fixed = m["eval/best_fixed_return"]
+    m["eval/gap_closed"] = (m["eval/return"] - fixed) / (oracle - fixed) if oracle != fixed else float("nan")
     rand = m["eval/random_return"]
-    m["eval/gap_closed"] = (ret - fixed) / (oracle - fixed) if oracle != fixed else float("nan")
     m["eval/oracle_advantage"] = (oracle - fixed) / (oracle - rand) if oracle != rand else float("nan")
     return m
 
@@ -586,12 +582,13 @@ def start_run(args: Args) -> tuple[Args, Path, dict | None]:
         args = saved_args(given.resume)
         for name, new in vars(given).items():
             old = getattr(args, name)
+            flag = "--" + name.replace("_", "-")
             if name in ("exp_name", "output_dir", "run_name", "resume") or new in (old, getattr(Args(), name)):
                 continue
             if name not in RESUME_MAY_CHANGE:
-                raise ValueError(f"--{name.replace('_', '-')} {new} differs from the run's {old!r} and cannot change "
-                                 "on resume, as it would change the algorithm: drop it, or start a new run")
-            print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
+                raise ValueError(f"{flag} {new} differs from the run's {old!r} and cannot change on resume, as it "
+                                 "would change the algorithm: drop it, or start a new run")
+            print(f"resume: {flag} {new} (the run had {old})")
             setattr(args, name, new)
             overrides[name] = [old, new]
         args.resume = given.resume
@@ -611,8 +608,9 @@ def start_run(args: Args) -> tuple[Args, Path, dict | None]:
         record.setdefault("resumed", []).append({"checkpoint": args.resume, "overrides": overrides})
         state = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False)
         state["agent"] = load_agent(args.resume, args.device).state_dict()
+        print(f"resumed from step {state['global_step']} of {args.num_iterations * args.batch_size} ({args.resume})")
         metrics = run_dir / "metrics.jsonl"
-        rows = metrics.read_text().splitlines() if metrics.is_file() else []
+        rows = metrics.read_text().splitlines()
         metrics.write_text("".join(f"{r}\n" for r in rows if json.loads(r)["step"] <= state["global_step"]))
     (run_dir / "args.json").write_text(json.dumps(record, indent=2))
     if args.track:
@@ -632,24 +630,24 @@ def log_metrics(run_dir: Path, row: dict, track: bool) -> None:
         wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
 
-def capture_state(agent, optimizer, env, iteration: int, global_step: int) -> dict:
-    """Copy of what a resumed run needs to continue exactly (iteration = completed iterations)."""
+def capture_state(agent, optimizer, env, global_step: int) -> dict:
+    """Copy of what a resumed run needs to continue exactly."""
     env_state = {"state": env.state, "obs": env.obs, "generator": env.generator.get_state()}
     return copy.deepcopy({"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "env": env_state,
-                          "iteration": iteration, "global_step": global_step, "torch_rng": torch.get_rng_state()})
+                          "global_step": global_step, "torch_rng": torch.get_rng_state()})
 
 
-def restore_state(state: dict | None, agent, optimizer, env) -> tuple[int, int]:
-    """Load capture_state's copy (None: a new run) -> (completed iterations, global step)."""
+def restore_state(state: dict | None, agent, optimizer, env) -> int:
+    """Load capture_state's copy (None: a new run) -> its global step."""
     if state is None:
-        return 0, 0
+        return 0
     agent.load_state_dict(state["agent"])
     optimizer.load_state_dict(state["optimizer"])
     env.state = {k: v.to(env.device) for k, v in state["env"]["state"].items()}
     env.obs = state["env"]["obs"].to(env.device)
     env.generator.set_state(state["env"]["generator"])
     torch.set_rng_state(state["torch_rng"])
-    return state["iteration"], state["global_step"]
+    return state["global_step"]
 
 
 def save_checkpoint(run_dir: Path, state: dict, args: Args) -> Path:
@@ -674,27 +672,37 @@ def load_agent(checkpoint, device="cpu") -> Agent:
     return agent.to(device)
 
 
-def finish_run(run_dir: Path, state: dict, m: dict, args: Args, threads: int) -> dict:
-    """Final checkpoint, the table of evaluation returns, W&B closed, torch's threads restored."""
+def finish_run(run_dir: Path, state: dict, m: dict, args: Args, threads: int, stop: int) -> dict:
+    """Final checkpoint, W&B closed, threads restored; the evaluation returns, then how to resume if stopped."""
     checkpoint = save_checkpoint(run_dir, state, args)
+    if args.track:
+        import wandb
+
+        wandb.finish()
+    torch.set_num_threads(threads)
     print("| policy | mean episode return |\n|---|---|")
     for name, key in [("learned (greedy)", ""), ("oracle", "oracle_"),
                       *((f"fixed n={c}", f"fixed_{c}_") for c in args.capacities), ("random", "random_")]:
         print(f"| {name} | {m[f'eval/{key}return']:.2f} |")
     print(f"\ngap closed: {m['eval/gap_closed']:.3f}, oracle advantage: {m['eval/oracle_advantage']:.3f}\n"
           f"run directory: {run_dir}\ncheckpoint: {checkpoint}")
-    if args.track:
-        import wandb
+    if stop:
+        print(f"interrupted: saved {checkpoint}; continue with --resume {checkpoint}")
+    return {**m, "step": state["global_step"], "run_dir": str(run_dir), "checkpoint": str(checkpoint),
+            "interrupted": stop}
 
-        wandb.finish()
-    torch.set_num_threads(threads)
-    return {**m, "step": state["global_step"], "run_dir": str(run_dir), "checkpoint": str(checkpoint)}
+
+def sigterm(signum, frame):  # a cluster's preemption: stop as on Ctrl-C
+    raise KeyboardInterrupt(signum)
 
 
 def command_line(Args, main) -> None:
-    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
+    """main(the flags); this repository's ValueErrors as one line, not a traceback. Exit code 0 at --total-steps,
+    128 + the signal after a saved Ctrl-C (130) or SIGTERM (143), 130 after a second Ctrl-C."""
     try:
-        main(tyro.cli(Args))
+        stop = main(tyro.cli(Args))["interrupted"]
+        if stop > 1:  # (True: a planned pause)
+            sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)

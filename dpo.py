@@ -7,19 +7,19 @@ robust (arXiv:2403.00409), simpo (arXiv:2405.14734, no reference). `--rpo-alpha 
 completion's length-normalised NLL (RPO, arXiv:2404.19733).
 
 Run:
-    python dpo.py                                               # models/tiny-arith on data/arith's pairs, CPU
+    python dpo.py  # models/tiny-arith on data/arith's pairs, CPU
     python dpo.py --loss-type simpo --beta 2 --simpo-gamma 1 --rpo-alpha 0  # or ipo, hinge, robust
     python dpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-prefs \
         --dataset-split train --eval-split None --pref-eval-split test --max-completion-length 512 \
         --micro-batch-size 4 --learning-rate 5e-7 --lora-r 16
-    torchrun --nproc-per-node 2 dpo.py                          # data parallel (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 dpo.py  # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/dpo.md):
 - `--rpo-alpha 1` by default: plain DPO lowers tiny-arith's accuracy (likelihood displacement, arXiv:2410.08847).
 - One row per pair, the shared prefix once (`--pack-pairs`, arXiv:2410.20305), checked at start against plain rows.
-- Log-probs come from the last hidden states and the lm_head: the [B, T, V] logits never exist.
+- Log-probs come from the last hidden states and the lm_head: no [B, T, V] logits.
 - Completions are tokenised alone + EOS; long prompts keep their last tokens, long completions lose their end.
-- Dropout is off; eval/pref_accuracy counts ties as wrong (0 at step 0).
+- Dropout is off; eval/pref_accuracy counts ties as wrong, as TRL does (0 at step 0).
 """
 
 import contextlib
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import tyro
 from datasets import load_dataset
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from kernels import linear_token_logprobs
@@ -76,7 +76,7 @@ class Args:
     dataset: str = "data/arith"
     """local folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "prefs"
-    """split with the training pairs"""
+    """split with the training pairs (prefs: train if a folder has no prefs.jsonl)"""
     eval_split: Optional[str] = "test"
     """split with prompts and answers for greedy accuracy (None: none)"""
     pref_eval_split: Optional[str] = "prefs_test"
@@ -132,7 +132,7 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
+    """also a checkpoint every this many minutes (0: off), so a killed run loses no more"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue"""
 
@@ -160,7 +160,7 @@ class Args:
     output_dir: str = "runs"
     """where run directories are created"""
     run_dir: Optional[str] = None
-    """the run directory, if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>; must not exist"""
+    """the run directory itself, not <output-dir>/<run name>; must not exist"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 
@@ -168,11 +168,10 @@ class Args:
 # ---- the algorithm
 
 
-def pair_logratios(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: Optional[torch.Tensor],
-                   ref_rejected: Optional[torch.Tensor], chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor,
+def pair_logratios(policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens,
                    loss_type: str, ipo_logps: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
-    """d's two terms, all [B] -> (chosen [B], rejected [B]): log pi(y|x) - log pi_ref(y|x) (Eq. 7 of arXiv:2305.18290);
-    ipo with "mean": per token (TRL); simpo: log pi(y|x) / |y| (Eq. 6 of arXiv:2405.14734; ref_* may be None)."""
+    """d's two terms, all [B] -> (chosen, rejected): log pi(y|x) - log pi_ref(y|x) (Eq. 7 of arXiv:2305.18290); ipo
+    with "mean": per token (TRL); simpo: log pi(y|x) / |y| (Eq. 6 of arXiv:2405.14734; ref_* may be None)."""
     if loss_type == "simpo":
         return policy_chosen / chosen_tokens, policy_rejected / rejected_tokens
     chosen = policy_chosen - ref_chosen
@@ -182,11 +181,10 @@ def pair_logratios(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, r
     return chosen, rejected
 
 
-def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, loss_type: str, beta: float,
-             label_smoothing: float = 0.0, simpo_gamma: float = 0.0) -> torch.Tensor:
-    """Per-pair loss from pair_logratios' terms: chosen, rejected [B] -> loss [B]; d = chosen - rejected."""
+def dpo_loss(chosen, rejected, loss_type: str, beta: float, eps: float = 0.0, simpo_gamma: float = 0.0) -> torch.Tensor:
+    """Per-pair loss from pair_logratios' terms: chosen, rejected [B] -> loss [B]; d = chosen - rejected, eps: the
+    label smoothing."""
     d = chosen - rejected
-    eps = label_smoothing
     if loss_type == "hinge":  # SLiC-HF's calibration loss (arXiv:2305.10425), margin 1 / beta
         return torch.relu(1 - beta * d)
     if loss_type == "ipo":  # Eq. 17 of arXiv:2310.12036 (beta is its tau)
@@ -198,21 +196,19 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, loss_type: str, beta:
     return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
 
 
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      completion_mask: torch.Tensor) -> torch.Tensor:
+def sequence_logprobs(model, input_ids, attention_mask, completion_mask) -> torch.Tensor:
     """Each row's completion log-prob log pi(y|x): [B, T] right-padded ids, attention and completion masks -> [B]
-    float32. Only the positions that predict a completion token go through the lm_head: no [B, T, V] logits."""
+    float32; only the hidden states that predict a completion token meet the lm_head."""
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     predicts = completion_mask[:, 1:].bool()  # hidden state t predicts token t + 1
     logp = linear_token_logprobs(hidden[:, :-1][predicts], targets=input_ids[:, 1:][predicts],
                                  **lm_head(model, hidden.dtype))
-    rows = predicts.nonzero()[:, 0]
-    return torch.zeros(input_ids.shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+    return logp.new_zeros(input_ids.shape[0]).index_add(0, predicts.nonzero()[:, 0], logp)
 
 
 def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, owners) -> torch.Tensor:
-    """`sequence_logprobs` of `pack_completions` rows -> [2B] float32 (the B chosen, then the B rejected); a shared
-    token's log-prob is computed once and counted for both sequences."""
+    """`sequence_logprobs` of `pack_completions` rows -> [2B] float32 (B chosen, then B rejected); a shared token's
+    log-prob, computed once, counts for both."""
     mask = allowed[:, None]
     if model.config._attn_implementation != "sdpa":  # eager attention adds its mask to the logits
         dtype = model.get_output_embeddings().weight.dtype
@@ -220,8 +216,7 @@ def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, o
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
     logp = linear_token_logprobs(hidden.flatten(0, 1)[columns], targets=targets, **lm_head(model, hidden.dtype))
-    return torch.zeros(2 * input_ids.shape[0], dtype=logp.dtype, device=logp.device).index_add(
-        0, owners[0], logp[owners[1]])
+    return logp.new_zeros(2 * input_ids.shape[0]).index_add(0, owners[0], logp[owners[1]])
 
 
 def pair_logprobs(model, pairs: list, pad_id: int, packed: bool) -> torch.Tensor:
@@ -230,18 +225,18 @@ def pair_logprobs(model, pairs: list, pad_id: int, packed: bool) -> torch.Tensor
     return (packed_logprobs if packed else sequence_logprobs)(model, *(t.to(model.device) for t in batch))
 
 
-def collate_completions(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int):
+def collate_completions(pairs: list, pad_id: int):
     """(prompt, chosen, rejected) token lists -> ids, attention mask, completion mask, each [2B, T] right-padded:
     the B prompt + chosen rows, then the B prompt + rejected rows."""
     rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p + c) for p, c in rows], True, pad_id)
     col = torch.arange(ids.shape[1])
     start = torch.tensor([len(p) for p, _ in rows])[:, None]
-    end = start + torch.tensor([len(c) for _, c in rows])[:, None]
+    end = torch.tensor([len(p + c) for p, c in rows])[:, None]
     return ids, (col < end).long(), ((col >= start) & (col < end)).long()
 
 
-def pack_completions(pairs: list[tuple[list[int], list[int], list[int]]], pad_id: int):
+def pack_completions(pairs: list, pad_id: int):
     """`pack_pairs` of prompt + chosen and prompt + rejected -> (ids, allowed, position ids, columns [E], targets [E],
     owners [2, K]): entry e is token targets[e], predicted by the hidden state at flat position columns[e] (row * T
     + column); owners lists (sequence, entry), sequences 0..B-1 chosen, B..2B-1 rejected; a shared entry has both."""
@@ -347,8 +342,7 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
     """What is wrong with a row as a preference pair, or None: `columns` (prompt, chosen, rejected, ...) filled in,
     two different completions as text, a boolean `tie` (when read) and a number in column `margin` (when given)."""
     chosen, rejected = row.get(columns[1]), row.get(columns[2])
-    missing = [c for c in columns if row.get(c) is None]
-    if missing:
+    if missing := [c for c in columns if row.get(c) is None]:
         return f"no column {missing}: fill it in or remove the row"
     if not isinstance(chosen, str) or not isinstance(rejected, str):
         return f"'{columns[1]}' and '{columns[2]}' must be text, got {chosen!r} and {rejected!r}"
@@ -363,8 +357,15 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
 
 def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
     """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
-    work: a bad row is one line naming the file and line (a hub split: its row)."""
-    split, path = getattr(args, flag), Path(args.dataset).expanduser()
+    work: a bad row is one line naming the file and line (a hub split: its row). The default --dataset-split prefs of
+    a folder without prefs.jsonl is its train.jsonl (said, and recorded in args.json)."""
+    path = Path(args.dataset).expanduser()
+    if flag == "dataset_split" and args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and (
+            path / "train.jsonl").exists():
+        args.dataset_split = "train"
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"{path} has no prefs.jsonl: training on its train.jsonl (--dataset-split train)")
+    split = getattr(args, flag)
     ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column or the flag naming it")
     where = f"{path / split}.jsonl, line" if path.is_dir() else f"{args.dataset}, split '{split}', row"
     for i, row in enumerate(ds, 1):
@@ -406,8 +407,7 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
                                           tokenize=False, add_generation_prompt=True) for v in values]
 
 
-
-def tokenize_completions(tokenizer, ds, args: Args) -> list[tuple[list[int], list[int], list[int]]]:
+def tokenize_completions(tokenizer, ds, args: Args) -> list[tuple]:
     """Pairs as (prompt, chosen + EOS, rejected + EOS) token ids: a prompt keeps its last --max-prompt-length
     tokens, a completion its first --max-completion-length."""
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -420,25 +420,26 @@ def tokenize_completions(tokenizer, ds, args: Args) -> list[tuple[list[int], lis
     return list(zip(prompts, chosen, rejected))
 
 
-def load_data(args: Args, tokenizer) -> tuple[list, list, list, list]:
-    """Every split, checked and tokenised before any model loads -> (training pairs, held-out pairs, eval prompts,
-    their answers)."""
+def load_data(args: Args, tokenizer) -> tuple:
+    """Every split, checked and tokenised before any model loads (the eval prompts: within the model's context) ->
+    (training pairs, held-out pairs, eval prompts, their answers)."""
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     pairs = tokenize_completions(tokenizer, load_pairs(args, "dataset_split", columns), args)
     eval_pairs, prompts, answers = [], [], []
     if args.pref_eval_split:
-        held_out = load_pairs(args, "pref_eval_split", columns)
-        held_out = held_out.select(range(min(args.pref_eval_limit, len(held_out))))
+        held_out = load_pairs(args, "pref_eval_split", columns).take(args.pref_eval_limit)
         eval_pairs = tokenize_completions(tokenizer, held_out, args)
     if args.eval_split:
         ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
-        ev = ev.select(range(min(args.eval_limit, len(ev))))
+        ev = ev.take(args.eval_limit)
         prompts = prompt_texts(tokenizer, list(ev[args.prompt_column]), args.use_chat_template, args.prompt_column)
         answers = list(ev[args.answer_column])
+        check_context(AutoConfig.from_pretrained(args.model_name_or_path), tokenizer(
+            prompts, add_special_tokens=False)["input_ids"], args.max_completion_length, "--max-completion-length")
     return pairs, eval_pairs, prompts, answers
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device):
+def load_model(name: str, dtype, device):
     """A causal LM with dropout off (TRL's disable_dropout): the policy and the reference must be one function."""
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     for m in model.modules():
@@ -447,12 +448,11 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device):
     return model
 
 
-def load_models(args: Args, tokenizer, device: torch.device) -> tuple:
+def load_models(args: Args, tokenizer, device) -> tuple:
     """The policy (with LoRA: a PEFT model), the frozen reference loaded again (None with LoRA, SimPO or
     --precompute-ref-logps), the EOS ids."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = load_model(args.model_name_or_path, dtype, device)
-    ref_model = None
+    model, ref_model = load_model(args.model_name_or_path, dtype, device), None
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -467,16 +467,15 @@ def load_models(args: Args, tokenizer, device: torch.device) -> tuple:
 
 
 @torch.no_grad()
-def reference_logps(ref_model, model, pairs: list, rows: list[int], cache: Optional[torch.Tensor], pad_id: int,
-                    packed: bool, k: int, m: int) -> torch.Tensor:
+def reference_logps(ref_model, model, pairs: list, rows: list, cache, pad_id: int, packed: bool, k: int, m: int):
     """log pi_ref of pairs k..k+m-1 -> [2, m] (chosen, rejected): precomputed (cache [N, 2], rows: the pairs' indices
     into it), the reference model's, or with LoRA the policy's without its adapters."""
     if cache is not None:
         return cache[rows[k : k + m]].T.to(model.device)
     if ref_model is not None:
-        return ref_model(pairs[k : k + m], pad_id, packed).float().view(2, -1)
+        return ref_model(pairs[k : k + m], pad_id, packed).view(2, -1)
     with model.disable_adapter():
-        return pair_logprobs(model, pairs[k : k + m], pad_id, packed).float().view(2, -1)
+        return pair_logprobs(model, pairs[k : k + m], pad_id, packed).view(2, -1)
 
 
 @torch.no_grad()
@@ -486,26 +485,27 @@ def pair_logps(model, pairs: list, pad_id: int, packed: bool, micro: int, autoca
     out = [torch.zeros(0, 2)]
     for i in range(0, len(pairs), micro):
         with autocast:
-            out.append(pair_logprobs(model, pairs[i : i + micro], pad_id, packed).float().view(2, -1).T.cpu())
+            out.append(pair_logprobs(model, pairs[i : i + micro], pad_id, packed).view(2, -1).T.cpu())
     model.train()
     return torch.cat(out)
 
 
-def pref_metrics(logps: torch.Tensor, ref: Optional[torch.Tensor], pairs: list, args: Args) -> dict:
-    """Held-out pairs: the fraction whose implicit reward ranks chosen first (ties are wrong), the policy's mean
-    log-probs. logps, ref: [N, 2] (chosen, rejected); ref is None for simpo."""
-    tokens = torch.tensor([[len(c), len(r)] for _, c, r in pairs], dtype=torch.float32)
-    ref = (None, None) if ref is None else ref.unbind(1)
-    chosen, rejected = pair_logratios(logps[:, 0], logps[:, 1], *ref, tokens[:, 0], tokens[:, 1], args.loss_type,
-                                      args.ipo_logps)
+def pref_metrics(logps, ref, pairs: list, args: Args, say: Callable) -> dict:
+    """Held-out pairs: the fraction whose implicit reward ranks chosen first (a tie is wrong, as in TRL; all tied, as at
+    step 0, is said), the policy's mean log-probs. logps, ref: [N, 2] (chosen, rejected); ref is None for simpo."""
+    tokens = logps.new_tensor([[len(c), len(r)] for _, c, r in pairs])
+    ref = (None, None) if ref is None else ref.T
+    chosen, rejected = pair_logratios(*logps.T, *ref, *tokens.T, args.loss_type, args.ipo_logps)
+    if torch.equal(chosen, rejected):
+        say(f"eval/pref_accuracy 0: all {len(pairs)} pairs tied (margin 0), and a tie counts as wrong")
     return {"eval/pref_accuracy": float((chosen > rejected).float().mean()),
             "eval/logps_chosen": float(logps[:, 0].mean()), "eval/logps_rejected": float(logps[:, 1].mean())}
 
 
 def dpo_update(policy, optimizer, pairs: list, args: Args, micro: int, world: int, pad_id: int, packed: bool,
-               reference: Optional[Callable], autocast) -> tuple[torch.Tensor, torch.Tensor]:
+               reference, autocast) -> tuple:
     """One optimiser step on this process's `pairs`: per micro-batch, the per-pair loss + RPO's NLL, summed /
-    --batch-size. reference(k, m): log pi_ref of pairs k..k+m-1 -> [2, m] (None: simpo). -> (sums [7] of
+    --batch-size. reference(k, m): log pi_ref of pairs k..k+m-1 -> [2, m] (False: simpo). -> (sums [7] of
     `dpo_metrics`' values over the pairs, grad norm)."""
     sums = torch.zeros(7, dtype=torch.float64)
     ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
@@ -513,18 +513,15 @@ def dpo_update(policy, optimizer, pairs: list, args: Args, micro: int, world: in
         some = pairs[k : k + micro]
         with (policy.no_sync() if ddp and k + micro < len(pairs) else torch.enable_grad()), autocast:
             logp = policy(some, pad_id, packed).view(2, -1)
-            lengths = torch.tensor([[len(c) for _, c, _ in some], [len(r) for _, _, r in some]], dtype=torch.float32,
-                                   device=logp.device)  # [2, m]: completion token counts
+            lengths = logp.new_tensor([[len(c) for _, c, _ in some], [len(r) for _, _, r in some]])  # [2, m] tokens
             ref = reference(k, len(some)) if reference else (None, None)
-            chosen, rejected = pair_logratios(logp[0], logp[1], ref[0], ref[1], lengths[0], lengths[1], args.loss_type,
-                                              args.ipo_logps)
+            chosen, rejected = pair_logratios(*logp, *ref, *lengths, args.loss_type, args.ipo_logps)
             nll = -logp[0] / lengths[0]  # RPO: the chosen completion's per-token NLL (arXiv:2404.19733)
             per_pair = dpo_loss(chosen, rejected, args.loss_type, args.beta, args.label_smoothing,
                                 args.simpo_gamma) + args.rpo_alpha * nll
             (per_pair.sum() / args.batch_size * world).backward()  # DDP averages gradients over processes
-        chosen = args.beta * chosen  # the implicit rewards
-        rejected = args.beta * rejected
-        stats = torch.stack([per_pair, nll, chosen, rejected, (chosen > rejected).float(), logp[0], logp[1]])
+        rewards = args.beta * torch.stack([chosen, rejected])  # the implicit rewards
+        stats = torch.stack([per_pair, nll, *rewards, (rewards[0] > rewards[1]).float(), *logp])
         sums += stats.detach().sum(1).cpu()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     optimizer.step()
@@ -541,8 +538,8 @@ def dpo_metrics(run, sums: torch.Tensor, batch_size: int) -> dict:
     return metrics
 
 
-RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "pref_eval_limit", "track",
-                     "wandb_project_name", "wandb_entity", "device", "pack_pairs")
+RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "save_every_minutes", "eval_limit",
+                     "pref_eval_limit", "track", "wandb_project_name", "wandb_entity", "device", "pack_pairs")
 
 
 def main(args: Args) -> dict:
@@ -550,8 +547,7 @@ def main(args: Args) -> dict:
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     run = Run(args, overrides, shown=("train/loss", "rewards/margins", "eval/pref_accuracy", "eval/accuracy"))
-    device = run.device
-    world = run.world
+    device, world = run.device, run.world
 
     # 1. Data: the pairs, checked and tokenised once (prompt; completion + EOS), before any model loads.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -568,8 +564,8 @@ def main(args: Args) -> dict:
         policy = run.shard(policy, decoder_layers(model))
         ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
     elif run.ddp:
-        policy = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device] if device.type == "cuda"
-                                                           else None)
+        policy = torch.nn.parallel.DistributedDataParallel(
+            policy, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
     # The reference's log-probs of the held-out pairs (and with --precompute-ref-logps of every training pair), from
     # the policy: it holds the initial weights until section 3 loads a resumed run's.
@@ -586,17 +582,15 @@ def main(args: Args) -> dict:
 
     def measure() -> tuple[dict, list]:  # implicit-reward accuracy on held-out pairs, greedy accuracy on --eval-split
         logps = pair_logps(model, eval_pairs, pad_id, packed, micro, autocast)
-        metrics = pref_metrics(logps, eval_ref, eval_pairs, args) if eval_pairs else {}
-        if not eval_prompts:
-            return metrics, []
-        metrics["eval/accuracy"], samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers,
-                                                            args.max_completion_length, eos_ids, progress=run.progress)
+        metrics, samples = pref_metrics(logps, eval_ref, eval_pairs, args, run.say) if eval_pairs else {}, []
+        if eval_prompts:
+            metrics["eval/accuracy"], samples = greedy_accuracy(
+                model, tokenizer, eval_prompts, eval_answers, args.max_completion_length, eos_ids, run.progress)
         return metrics, samples
 
     def save() -> Path:
-        return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
-                                                 "lr_anchor": lr_anchor[0], "scheduler": scheduler.state_dict(),
-                                                 **order.state()}, per_rank={})
+        state = {"optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        return run.checkpoint(model, tokenizer, {**state, "lr_anchor": lr_anchor[0], **order.state()}, per_rank={})
 
     # 4. Train.
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -611,17 +605,16 @@ def main(args: Args) -> dict:
             # 4a. The next batch of pairs in epoch order; every process draws the same indices and keeps its share.
             rows = order.draw(args.batch_size)[run.rank * share : (run.rank + 1) * share]
             mine = [pairs[i] for i in rows]
-            # 4b. Per micro-batch: chosen and rejected in one forward pass, the reference's log-probs (cached or one
-            #     no-grad pass), the per-pair loss (Eq. 7 or a variant) + RPO's NLL, averaged over the step's pairs.
-            reference = partial(reference_logps, ref_model, model, mine, rows, train_ref, pad_id, packed)
-            sums, grad_norm = dpo_update(policy, optimizer, mine, args, micro, world, pad_id, packed,
-                                         reference if uses_ref else None, autocast)
+            # 4b. Per micro-batch: chosen and rejected in one pass, the reference's log-probs (cached or a no-grad
+            #     pass), the per-pair loss (Eq. 7 or a variant) + RPO's NLL, averaged over the step's pairs.
+            ref = uses_ref and partial(reference_logps, ref_model, model, mine, rows, train_ref, pad_id, packed)
+            sums, grad_norm = dpo_update(policy, optimizer, mine, args, micro, world, pad_id, packed, ref, autocast)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
             scheduler.step()
             seconds += time.perf_counter() - t_step
             tokens += sum(2 * len(p) + len(c) + len(r) for p, c, r in mine)
 
-            # 4c. Log the implicit rewards, their margin and accuracy, the policy's log-probs, and the timings.
+            # 4c. Log the implicit rewards, their margin and accuracy, the log-probs, and the timings.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **dpo_metrics(run, sums, args.batch_size), "train/grad_norm": float(grad_norm),
                          "train/lr": lr, "perf/step_s": seconds / (step - last_log),
@@ -636,20 +629,16 @@ def main(args: Args) -> dict:
 
 def check_args(args: Args) -> int:
     """Every check of the flags before any work -> the micro-batch (pairs) each process uses."""
-    check_common(args, ("total_steps", "batch_size", "max_completion_length", "max_prompt_length", "log_every",
-                        "learning_rate"), ("eval_every", "save_every", "warmup_steps", "eval_limit", "pref_eval_limit",
-                                           "lora_r", "micro_batch_size", "rpo_alpha", "simpo_gamma"),
-                 (args.model_name_or_path,))
+    positive = ("total_steps", "batch_size", "max_completion_length", "max_prompt_length", "log_every", "learning_rate",
+                "beta")
+    check_common(args, positive, ("eval_every", "save_every", "warmup_steps", "eval_limit", "pref_eval_limit", "lora_r",
+                                  "micro_batch_size", "rpo_alpha", "simpo_gamma"), (args.model_name_or_path,))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: "
                          f"use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}")
-    micro = fit_micro_batch(args.micro_batch_size, args.batch_size // world,
-                            f"each process's pairs (--batch-size / {world} processes)" if world > 1 else "--batch-size",
-                            cap=64)
-    if args.beta <= 0:
-        raise ValueError(f"--beta must be > 0, got {args.beta}: it scales the implicit reward beta log pi/pi_ref "
-                         f"(typical: 0.1 for sigmoid/hinge/ipo/robust, about 2 for simpo)")
+    what = f"each process's pairs (--batch-size / {world} processes)" if world > 1 else "--batch-size"
+    micro = fit_micro_batch(args.micro_batch_size, args.batch_size // world, what, cap=64)
     eps = args.label_smoothing
     allowed = {"sigmoid": "[0, 0.5] (cDPO)", "simpo": "[0, 0.5]", "robust": "[0, 0.5) (the label-flip rate)"}
     inside = {"sigmoid": 0 <= eps <= 0.5, "simpo": 0 <= eps <= 0.5, "robust": 0 <= eps < 0.5}
@@ -754,10 +743,8 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             ds = load_dataset("json", data_files=str(path), split="train")
         else:
             ds = load_dataset(args.dataset, split=split)
-    except Exception as e:  # the file's first bad line, else the loader's own error
-        if not file.is_file():
-            raise
-        raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
+    except Exception as e:  # the file's first bad line, else the loader's own error (e.g. offline), in one line
+        raise ValueError(f"{file}{file.is_file() and json_lines_problem(file, option) or f': {e}'}") from None
     missing = [c for c in columns if c not in ds.column_names]
     problem = missing and file.is_file() and json_lines_problem(file, option)  # e.g. rows that are JSON lists
     if problem:
@@ -793,23 +780,26 @@ def json_lines_problem(file: Path, option: str) -> Optional[str]:
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hugging Face Hub (one request, before any work)."""
+    """True for a local path; a hub id must be on the Hugging Face Hub, or offline a model in its cache."""
     if Path(name).expanduser().exists():
         return True
-    hint = "a local path (e.g. models/tiny-arith, data/arith) or a hub id"
+    hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
     if name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1 or Path(
             name.split("/")[0]).exists():
         raise ValueError(f"{kind} '{name}' does not exist: pass {hint}")
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
-    if offline:
-        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
-                         f"pass a local path or unset {offline[0]}")
-    from huggingface_hub import repo_exists
+    from huggingface_hub import repo_exists, snapshot_download
 
+    get = (f"`hf download {name}`, then pass the folder it prints" if kind == "model" else "save its splits as "
+           "<split>.jsonl files in a folder and pass the folder")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        found = repo_exists(name, repo_type=kind)
-    except Exception as e:  # no network, a proxy: say so now rather than after retries
-        raise ValueError(f"{kind} '{name}': the Hugging Face Hub cannot be reached ({type(e).__name__}): pass {hint}")
+        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+            snapshot_download(name, local_files_only=True)
+        found = offline or repo_exists(name, repo_type=kind)
+    except Exception as e:  # not cached; no network, a proxy: say so now rather than after retries
+        raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
+                         f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
+                         "cache holds it, or ") + get) from None
     if not found:
         raise ValueError(f"{kind} '{name}' is not on the Hugging Face Hub (private? `hf auth login`): pass {hint}")
     return False
@@ -831,6 +821,12 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
             raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
                              f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+    if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
+    if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+        args.warmup_steps = args.total_steps // 10
     if getattr(args, "fsdp", False):
         check_fsdp(args)
 
@@ -840,14 +836,11 @@ def check_fsdp(args) -> None:
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
-        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N (one process "
-                         "per GPU), or drop --fsdp for a single process")
+        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
-                         "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
-                         f"and optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -865,6 +858,14 @@ def decoder_layers(model) -> list:
     return list(max(lists, key=len))
 
 
+def check_context(config, prompt_ids: list, new_tokens: int, flag: str) -> None:
+    """Before the model loads: the longest prompt and the tokens generated after it fit the model's positions."""
+    context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
+    if context and longest + new_tokens > context:
+        raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
+                         f"pass {flag} {context - longest} or less, or shorter prompts")
+
+
 def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
     """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to `cap`."""
     works = [d for d in range(1, min(requested or cap, per_process) + 1) if per_process % d == 0][-1]
@@ -880,9 +881,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        where = "runs/<run>/checkpoints/step_N"
-        if found:
-            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        where = f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "<run>/checkpoints/step_N"
         raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
@@ -890,7 +889,7 @@ def resume_args(args, may_change: tuple[str, ...]):
     out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
     for name in fields:
         given = getattr(args, name)
-        if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
+        if name in ("exp_name", "output_dir", "run_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
@@ -930,8 +929,7 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 class Run:
     """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
-    evaluation and checkpoint cadence, the progress line and the closing summary."""
+    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -952,9 +950,11 @@ class Run:
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
-        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.output_dir) / args.run_name
+            args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
+        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
         self.start = self.step = self.steps_done = 0
-        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False
+        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
+        self.signal, self.saved_at = 0, time.time()
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
@@ -1047,6 +1047,7 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
         """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
+        self.saved, self.saved_at = path, time.time()
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
@@ -1103,49 +1104,49 @@ class Run:
             rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
             rows = [r for r in rows if r["step"] <= self.start]
             (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the summary's start values are the run's own, from before the resume
-                self.first = {**row, **self.first}
+            for row in rows:  # the summary's start values and the progress line's last eval are the run's own
+                self.first, self.last = {**row, **self.first}, {**self.last, **row}
             saved = json.loads((self.dir / "args.json").read_text())
             saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
                                                     "overrides": self.overrides})
             (self.dir / "args.json").write_text(json.dumps(saved, indent=2))
-            for name, (old, new) in self.overrides.items():
-                print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
+            print(f"resumed from step {self.start} of {args.total_steps} ({args.resume})" + "".join(
+                f"; --{k.replace('_', '-')} {new} (the run had {old})" for k, (old, new) in self.overrides.items()))
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:
-            import wandb
-
-            try:
-                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                           config=vars(args), dir=str(self.dir), resume="allow")
-            except Exception:  # e.g. no login: wandb's own error says how to log in
-                if not args.resume:
-                    shutil.rmtree(self.dir, ignore_errors=True)
-                raise
-            self.wandb = wandb
-        self.previous = signal.signal(signal.SIGINT, self.interrupt)
+        if self.ddp:
+            self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
-        self.stop = True
+    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+        ctrl_c, self.signal = signum == signal.SIGINT, signum
+        if ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
         if self.rank == 0:
-            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
-                  f"saving)", file=sys.stderr, flush=True)
+            print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: finishing step {self.step}, then saving a checkpoint" +
+                  " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
 
     def __exit__(self, kind, *exc):  # after a Ctrl-C, or if started with SIGINT ignored (`&`), Ctrl-C quits at once
-        quit_at_once = self.stop or self.previous == signal.SIG_IGN
-        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous)
+        quit_at_once = self.signal or self.previous[0] == signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
+        signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
-        after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
+        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
+            import wandb
+
+            args = self.args
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=str(self.dir), resume="allow")
+            self.wandb = wandb
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -1156,15 +1157,16 @@ class Run:
             self.report()
             if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
                 self.evaluate(measure)
-            if self.args.save_every and self.step % self.args.save_every == 0:
+            minutes = self.args.save_every_minutes and time.time() - self.saved_at > 60 * self.args.save_every_minutes
+            stop = max(int(self.stop), self.signal)  # (a signal during the all_reduce counts at the next step)
+            if self.ddp:  # every process stops (or saves) at the same step, even if the signal reached them apart
+                flags = torch.tensor([float(stop), float(minutes)], device=self.device)
+                dist.all_reduce(flags, dist.ReduceOp.MAX)
+                stop, minutes = int(flags[0]), bool(flags[1])
+            self.stop = stop
+            if self.stop or minutes or self.args.save_every and self.step % self.args.save_every == 0:
                 save()
-            if self.ddp:  # every process stops at the same step, even if the signal reached them apart
-                flag = torch.tensor([float(self.stop)], device=self.device)
-                dist.all_reduce(flag)
-                self.stop = bool(flag.item())
             if self.stop:
-                path = save()
-                self.say(f"interrupted: saved {path}; continue with --resume {path}")
                 return
 
     def report(self) -> None:
@@ -1172,8 +1174,8 @@ class Run:
         per_step = self.seconds / self.steps_done
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
-        if self.progress:
-            self.bar.set_postfix_str(f"{text} | {per_step:.2f} s/step")
+        if self.progress:  # (tqdm shows s/step)
+            self.bar.set_postfix_str(text)
         elif self.rank == 0 and self.step % self.args.log_every == 0:
             print(f"step {self.step}/{self.args.total_steps} | {text} | {per_step:.2f} s/step | ETA "
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
@@ -1194,15 +1196,20 @@ class Run:
                 print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
+        if self.stop:  # the last line printed
+            self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         if self.ddp:
             dist.destroy_process_group()
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
+    """main(the flags); this repository's ValueErrors as one line, not a traceback. Exit code 0 at --total-steps,
+    128 + the signal after a saved Ctrl-C (130) or SIGTERM (143), 130 after a second Ctrl-C."""
     try:
-        main(tyro.cli(Args))
+        stop = main(tyro.cli(Args))["interrupted"]
+        if stop > 1:  # (True: a planned pause)
+            sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)

@@ -7,10 +7,10 @@ Variants (equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards
 (arXiv:2507.18071) `--importance-sampling-level sequence`; CISPO (arXiv:2506.13585) `--loss-type cispo`; RLOO
 `--baseline rloo`; high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`.
 
-    python grpo.py                                                # models/tiny-arith on data/arith, CPU
+    python grpo.py  # models/tiny-arith on data/arith, CPU
     python grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
         --max-completion-length 512 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
-    torchrun --nproc-per-node 2 grpo.py                           # data parallel (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 grpo.py  # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/grpo.md):
 - Defaults fit the embedded 0.9M-parameter model: `--scale-rewards none`, mu = 2, beta = 0.
@@ -42,7 +42,7 @@ import torch.distributed as dist
 import tyro
 from datasets import load_dataset
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from kernels import clipped_policy_loss, linear_token_logprobs
@@ -276,8 +276,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
-    return linear_token_logprobs(hidden[:, prompt_width - 1 : -1], targets=input_ids[:, prompt_width:],
-                                 temperature=temperature, with_entropy=with_entropy, **lm_head(model, hidden.dtype))
+    out = linear_token_logprobs(hidden[:, prompt_width - 1 : -1], targets=input_ids[:, prompt_width:],
+                                temperature=temperature, with_entropy=with_entropy, **lm_head(model, hidden.dtype))
+    return tuple(x.clone() for x in out) if with_entropy else out.clone()  # not views: FSDP2 hooks the outputs
 
 
 def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
@@ -310,35 +311,23 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
             pad([torch.ones_like(r) for r in ids], batch_first=True, padding_side="left"))
 
 
-def take_rows(batch: dict, rows: torch.Tensor) -> dict:
-    """Rows of every tensor, list and nested dict of a rollout batch."""
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, dict):
-            out[k] = take_rows(v, rows)
-        elif isinstance(v, list):
-            out[k] = [v[i] for i in rows.tolist()]
-        else:
-            out[k] = v[rows.to(v.device)]
-    return out
-
-
-def concat_rollouts(batches: list[dict], pad_id: int) -> dict:
-    """Rollout batches as one: prompts re-padded on the left, completions on the right."""
+def concat_rollouts(batches: list[dict], pad_id: int, rows: Optional[list[int]] = None) -> dict:
+    """Rollout batches as one, or its `rows` only: prompts re-padded on the left, completions on the right."""
     out = {}
     for k, v in batches[0].items():
-        values = [b[k] for b in batches]
         if isinstance(v, dict):
-            out[k] = concat_rollouts(values, pad_id)
-        elif isinstance(v, list):
-            out[k] = sum(values, [])
+            out[k] = concat_rollouts([b[k] for b in batches], pad_id, rows)
+            continue
+        items = [x for b in batches for x in b[k]]
+        items = items if rows is None else [items[i] for i in rows]
+        if isinstance(v, list):
+            out[k] = items
         elif v.dim() == 1:
-            out[k] = torch.cat(values)
+            out[k] = torch.stack(items)
         else:
-            width = max(x.shape[1] for x in values)
-            fill = pad_id if k.endswith("ids") else 0
-            pads = [(width - x.shape[1], 0) if k.startswith("prompt") else (0, width - x.shape[1]) for x in values]
-            out[k] = torch.cat([torch.nn.functional.pad(x, pad, value=fill) for x, pad in zip(values, pads)])
+            side = "left" if k.startswith("prompt") else "right"
+            out[k] = torch.nn.utils.rnn.pad_sequence(items, batch_first=True, padding_side=side,
+                                                     padding_value=pad_id if k.endswith("ids") else 0)
     return out
 
 
@@ -350,12 +339,11 @@ def dynamic_sampling(draw: Callable[[int], dict], num_groups: int, group_size: i
     while n_kept < num_groups and len(batches) <= max_rounds:
         batches.append(draw(num_groups - n_kept))
         n_kept += int(informative_groups(batches[-1]["rewards"]["total"].view(-1, group_size)).sum())
-    batch = concat_rollouts(batches, pad_id)
-    good = informative_groups(batch["rewards"]["total"].view(-1, group_size))
+    good = informative_groups(torch.cat([b["rewards"]["total"] for b in batches]).view(-1, group_size))
     chosen = torch.argsort((~good).int(), stable=True)[:num_groups]  # informative groups first, in the order drawn
-    rows = (chosen[:, None] * group_size + torch.arange(group_size)).flatten()
-    return take_rows(batch, rows), {"train/sampling_draws": len(batches),
-                                    "train/informative_groups": int(good[chosen].sum())}
+    rows = (chosen[:, None] * group_size + torch.arange(group_size)).flatten().tolist()
+    return concat_rollouts(batches, pad_id, rows), {"train/sampling_draws": len(batches),
+                                                    "train/informative_groups": int(good[chosen].sum())}
 
 
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
@@ -437,7 +425,7 @@ def micro_batches(batch: dict, advantages: torch.Tensor, mask: torch.Tensor, siz
 
 
 def logprobs_without_adapters(model, *inputs) -> torch.Tensor:
-    """With LoRA, the frozen reference is the policy with its adapters off: completion_logprobs so."""
+    """The frozen reference of a LoRA policy: the policy with its adapters off."""
     with model.disable_adapter():
         return completion_logprobs(model, *inputs)
 
@@ -496,9 +484,9 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference, tokens: 
 def grpo_metrics(run, args, sums: dict, batch: dict, rewards: torch.Tensor, timing: dict, steps: int) -> dict:
     """The step's metrics over all processes; perf/ over the `steps` since the last log row."""
     lengths = batch["completion_mask"].sum(dim=1)
-    totals = {**{k: sums[k] for k in ("loss", "kl", "clip_frac", "entropy", "tis_capped", "tokens")},
-              "length": float(lengths.sum()), "truncated": float(batch["truncated"].sum()), "sequences": len(lengths)}
-    values = run.gather(torch.tensor([list(totals.values())], device=rewards.device)).sum(dim=0)  # over processes
+    totals = {**sums, "length": float(lengths.sum()), "truncated": float(batch["truncated"].sum()),
+              "sequences": len(lengths)}
+    values = run.gather(torch.tensor([list(totals.values())], device=rewards.device)).sum(dim=0)
     t = dict(zip(totals, values.tolist()))
     n_tok = max(t["tokens"], 1)
     return {"train/loss": t["loss"] / args.num_iterations, "train/reward": float(rewards.mean()),
@@ -536,9 +524,8 @@ def load_prompts(args, tokenizer, reward) -> tuple[dict, list, list]:
 
 
 def load_policy(args, run, tokenizer):
-    """The policy (dropout off; LoRA with --lora-r) as Forward(completion_logprobs) under DDP or FSDP2, and with
-    beta > 0 the frozen reference (a copy, or the policy without its LoRA adapters) -> (model, policy, reference, EOS
-    ids)."""
+    """The policy (dropout off; LoRA with --lora-r) wrapped for DDP or FSDP2 and, when beta > 0, its frozen reference
+    -> (model, policy, reference, EOS ids)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(run.device)
     for m in model.modules():
@@ -558,7 +545,7 @@ def load_policy(args, run, tokenizer):
     elif args.beta > 0:
         reference = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
     policy = Forward(completion_logprobs, model)
-    if run.fsdp:  # each decoder layer sharded over the processes, the reference's too
+    if run.fsdp:
         policy = run.shard(policy, decoder_layers(model))
         reference = reference and run.shard(reference, decoder_layers(reference))
     elif run.ddp:
@@ -566,8 +553,8 @@ def load_policy(args, run, tokenizer):
     return model, policy, reference, eos_ids
 
 
-RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
-                     "track", "wandb_project_name", "wandb_entity", "device")
+RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "save_every_minutes", "eval_limit",
+                     "num_sample_completions", "track", "wandb_project_name", "wandb_entity", "device")
 
 
 def main(args: Args) -> dict:
@@ -575,15 +562,17 @@ def main(args: Args) -> dict:
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     reward = make_reward(args.reward)
-    run = Run(args, overrides, shown=("train/reward", "eval/accuracy", "train/kl"))
+    run = Run(args, overrides, shown=("train/reward", "eval/accuracy") + ("train/kl",) * (args.beta > 0))
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
 
-    # 1. Data: the prompts, tokenised once, with the columns the reward needs; the eval split.
+    # 1. Data: the prompts, tokenised once, with the columns the reward needs; the eval split; all fit the context.
     data, eval_prompts, eval_answers = load_prompts(args, tokenizer, reward)
+    prompt_ids = data["ids"] + [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts]
+    check_context(AutoConfig.from_pretrained(args.model_name_or_path), prompt_ids, args.max_completion_length,
+                  "--max-completion-length")
 
-    # 2. Model: the policy (optionally with LoRA adapters) and, only when beta > 0, a frozen reference.
+    # 2. Model: the policy (LoRA with --lora-r) and, when beta > 0, a frozen reference.
     model, policy, reference, eos_ids = load_policy(args, run, tokenizer)
     eos = torch.tensor(eos_ids, device=run.device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
@@ -647,7 +636,7 @@ def main(args: Args) -> dict:
             mask = batch["completion_mask"]
             if args.mask_truncated_completions:  # DAPO's overlong filtering (Sec. 3.4)
                 mask = mask * ~batch["truncated"][:, None]
-            # (under --fsdp every process runs as many passes as the others: each gathers and reduces over them all)
+            # (not under --fsdp: there each pass gathers and reduces over all processes, so all run as many)
             chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0 and not run.fsdp)
             # 4c. mu updates on this batch: the loss per token (Eq. 3), aggregated per --loss-type.
             tokens = (int(run.gather(mask.sum()[None]).sum()), int(mask.sum()))
@@ -659,7 +648,7 @@ def main(args: Args) -> dict:
             timing["step"] += time.perf_counter() - t_step
             timing["tokens"] += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
 
-            # 4d. Log rewards per component, lengths, KL, clipping, timings and a few completions.
+            # 4d. Log the metrics and a few completions.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **grpo_metrics(run, args, sums, batch, rewards, timing, step - last_log),
                          "train/sampler_gap": gap, "train/lr": lr, **draws}
@@ -853,10 +842,8 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             ds = load_dataset("json", data_files=str(path), split="train")
         else:
             ds = load_dataset(args.dataset, split=split)
-    except Exception as e:  # the file's first bad line, else the loader's own error
-        if not file.is_file():
-            raise
-        raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
+    except Exception as e:  # the file's first bad line, else the loader's own error (e.g. offline), in one line
+        raise ValueError(f"{file}{file.is_file() and json_lines_problem(file, option) or f': {e}'}") from None
     missing = [c for c in columns if c not in ds.column_names]
     problem = missing and file.is_file() and json_lines_problem(file, option)  # e.g. rows that are JSON lists
     if problem:
@@ -892,23 +879,26 @@ def json_lines_problem(file: Path, option: str) -> Optional[str]:
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hugging Face Hub (one request, before any work)."""
+    """True for a local path; a hub id must be on the Hugging Face Hub, or offline a model in its cache."""
     if Path(name).expanduser().exists():
         return True
-    hint = "a local path (e.g. models/tiny-arith, data/arith) or a hub id"
+    hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
     if name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1 or Path(
             name.split("/")[0]).exists():
         raise ValueError(f"{kind} '{name}' does not exist: pass {hint}")
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
-    if offline:
-        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
-                         f"pass a local path or unset {offline[0]}")
-    from huggingface_hub import repo_exists
+    from huggingface_hub import repo_exists, snapshot_download
 
+    get = (f"`hf download {name}`, then pass the folder it prints" if kind == "model" else "save its splits as "
+           "<split>.jsonl files in a folder and pass the folder")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        found = repo_exists(name, repo_type=kind)
-    except Exception as e:  # no network, a proxy: say so now rather than after retries
-        raise ValueError(f"{kind} '{name}': the Hugging Face Hub cannot be reached ({type(e).__name__}): pass {hint}")
+        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+            snapshot_download(name, local_files_only=True)
+        found = offline or repo_exists(name, repo_type=kind)
+    except Exception as e:  # not cached; no network, a proxy: say so now rather than after retries
+        raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
+                         f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
+                         "cache holds it, or ") + get) from None
     if not found:
         raise ValueError(f"{kind} '{name}' is not on the Hugging Face Hub (private? `hf auth login`): pass {hint}")
     return False
@@ -930,6 +920,12 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
             raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
                              f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+    if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
+    if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+        args.warmup_steps = args.total_steps // 10
     if getattr(args, "fsdp", False):
         check_fsdp(args)
 
@@ -939,14 +935,11 @@ def check_fsdp(args) -> None:
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
-        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N (one process "
-                         "per GPU), or drop --fsdp for a single process")
+        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
-                         "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
-                         f"and optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -964,6 +957,14 @@ def decoder_layers(model) -> list:
     return list(max(lists, key=len))
 
 
+def check_context(config, prompt_ids: list, new_tokens: int, flag: str) -> None:
+    """Before the model loads: the longest prompt and the tokens generated after it fit the model's positions."""
+    context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
+    if context and longest + new_tokens > context:
+        raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
+                         f"pass {flag} {context - longest} or less, or shorter prompts")
+
+
 def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
     """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to `cap`."""
     works = [d for d in range(1, min(requested or cap, per_process) + 1) if per_process % d == 0][-1]
@@ -979,9 +980,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        where = "runs/<run>/checkpoints/step_N"
-        if found:
-            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        where = f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "<run>/checkpoints/step_N"
         raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
@@ -989,7 +988,7 @@ def resume_args(args, may_change: tuple[str, ...]):
     out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
     for name in fields:
         given = getattr(args, name)
-        if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
+        if name in ("exp_name", "output_dir", "run_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
@@ -1029,8 +1028,7 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 class Run:
     """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
-    evaluation and checkpoint cadence, the progress line and the closing summary."""
+    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -1051,9 +1049,11 @@ class Run:
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
-        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.output_dir) / args.run_name
+            args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
+        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
         self.start = self.step = self.steps_done = 0
-        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False
+        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
+        self.signal, self.saved_at = 0, time.time()
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
@@ -1146,6 +1146,7 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
         """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
+        self.saved, self.saved_at = path, time.time()
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
@@ -1202,49 +1203,49 @@ class Run:
             rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
             rows = [r for r in rows if r["step"] <= self.start]
             (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the summary's start values are the run's own, from before the resume
-                self.first = {**row, **self.first}
+            for row in rows:  # the summary's start values and the progress line's last eval are the run's own
+                self.first, self.last = {**row, **self.first}, {**self.last, **row}
             saved = json.loads((self.dir / "args.json").read_text())
             saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
                                                     "overrides": self.overrides})
             (self.dir / "args.json").write_text(json.dumps(saved, indent=2))
-            for name, (old, new) in self.overrides.items():
-                print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
+            print(f"resumed from step {self.start} of {args.total_steps} ({args.resume})" + "".join(
+                f"; --{k.replace('_', '-')} {new} (the run had {old})" for k, (old, new) in self.overrides.items()))
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:
-            import wandb
-
-            try:
-                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                           config=vars(args), dir=str(self.dir), resume="allow")
-            except Exception:  # e.g. no login: wandb's own error says how to log in
-                if not args.resume:
-                    shutil.rmtree(self.dir, ignore_errors=True)
-                raise
-            self.wandb = wandb
-        self.previous = signal.signal(signal.SIGINT, self.interrupt)
+        if self.ddp:
+            self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
-        self.stop = True
+    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+        ctrl_c, self.signal = signum == signal.SIGINT, signum
+        if ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
         if self.rank == 0:
-            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
-                  f"saving)", file=sys.stderr, flush=True)
+            print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: finishing step {self.step}, then saving a checkpoint" +
+                  " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
 
     def __exit__(self, kind, *exc):  # after a Ctrl-C, or if started with SIGINT ignored (`&`), Ctrl-C quits at once
-        quit_at_once = self.stop or self.previous == signal.SIG_IGN
-        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous)
+        quit_at_once = self.signal or self.previous[0] == signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
+        signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
-        after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
+        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
+            import wandb
+
+            args = self.args
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=str(self.dir), resume="allow")
+            self.wandb = wandb
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -1255,15 +1256,16 @@ class Run:
             self.report()
             if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
                 self.evaluate(measure)
-            if self.args.save_every and self.step % self.args.save_every == 0:
+            minutes = self.args.save_every_minutes and time.time() - self.saved_at > 60 * self.args.save_every_minutes
+            stop = max(int(self.stop), self.signal)  # (a signal during the all_reduce counts at the next step)
+            if self.ddp:  # every process stops (or saves) at the same step, even if the signal reached them apart
+                flags = torch.tensor([float(stop), float(minutes)], device=self.device)
+                dist.all_reduce(flags, dist.ReduceOp.MAX)
+                stop, minutes = int(flags[0]), bool(flags[1])
+            self.stop = stop
+            if self.stop or minutes or self.args.save_every and self.step % self.args.save_every == 0:
                 save()
-            if self.ddp:  # every process stops at the same step, even if the signal reached them apart
-                flag = torch.tensor([float(self.stop)], device=self.device)
-                dist.all_reduce(flag)
-                self.stop = bool(flag.item())
             if self.stop:
-                path = save()
-                self.say(f"interrupted: saved {path}; continue with --resume {path}")
                 return
 
     def report(self) -> None:
@@ -1271,8 +1273,8 @@ class Run:
         per_step = self.seconds / self.steps_done
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
-        if self.progress:
-            self.bar.set_postfix_str(f"{text} | {per_step:.2f} s/step")
+        if self.progress:  # (tqdm shows s/step)
+            self.bar.set_postfix_str(text)
         elif self.rank == 0 and self.step % self.args.log_every == 0:
             print(f"step {self.step}/{self.args.total_steps} | {text} | {per_step:.2f} s/step | ETA "
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
@@ -1293,15 +1295,20 @@ class Run:
                 print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
+        if self.stop:  # the last line printed
+            self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         if self.ddp:
             dist.destroy_process_group()
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
+    """main(the flags); this repository's ValueErrors as one line, not a traceback. Exit code 0 at --total-steps,
+    128 + the signal after a saved Ctrl-C (130) or SIGTERM (143), 130 after a second Ctrl-C."""
     try:
-        main(tyro.cli(Args))
+        stop = main(tyro.cli(Args))["interrupted"]
+        if stop > 1:  # (True: a planned pause)
+            sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)

@@ -9,11 +9,11 @@ Implementation Details of RLHF with PPO" (arXiv:2403.17031, "N+"):
     5. adapt beta to the batch's KL  (Sec. 2.2 of arXiv:1909.08593)
 
 Run:
-    python ppo.py                                                 # models/tiny-arith on data/arith, CPU
-    python ppo.py --reward rm.json      # a learned reward model: {"type": "reward_model", "model": "runs/<rm>/final"}
+    python ppo.py  # models/tiny-arith on data/arith, CPU
+    python ppo.py --reward rm.json  # a learned reward model: {"type": "reward_model", "model": "runs/<rm>/final"}
     python ppo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
         --max-completion-length 512 --prompts-per-step 64 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
-    torchrun --nproc-per-node 2 ppo.py                            # data parallel (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 ppo.py  # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/ppo.md):
 - The value model is a separate network (as N+) with a zero scalar head, so V = 0 at the start.
@@ -67,9 +67,9 @@ class Args:
     reward: str = DEFAULT_SPEC
     """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
     center_scores_per_prompt: bool = False
-    """subtract from each score its prompt's mean score (for Bradley-Terry reward models; needs G >= 2)"""
+    """subtract from each score its prompt's mean (for Bradley-Terry reward models; needs G >= 2)"""
     gold_reward: Optional[str] = None
-    """a reward spec logged as rewards/gold and never trained on (what a learned --reward stands in for)"""
+    """a reward spec logged as rewards/gold, never trained on (what a learned --reward stands in for)"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a completion without EOS"""
     beta: float = 0.05
@@ -213,16 +213,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """(x - mean) / std over the real entries, unbiased variance (as TRL); shift_mean=False adds the mean back.
     x, mask: [B, T] -> [B, T], 0 on padding."""
-    mean = masked_mean(x, mask)
-    n = mask.sum()
+    mean, n = masked_mean(x, mask), mask.sum()
     var = masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1.0)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return (whitened if shift_mean else whitened + mean) * mask
-
-
-def penalise_missing_eos(scores: torch.Tensor, truncated: torch.Tensor, penalty: float) -> torch.Tensor:
-    """scores [B] less `penalty` where truncated [B] (no EOS within the length limit)."""
-    return scores - penalty * truncated.float()
 
 
 def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
@@ -260,13 +254,15 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, masked_mean((clipped_loss > unclipped_loss).float(), mask)
 
 
+@dataclass
 class KLController:
     """The KL coefficient beta, updated once per step from the batch's KL; n = completions in the batch.
     adaptive (Sec. 2.2 of arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, +-0.2) n / horizon.
     step (Sec. 4 of arXiv:1707.06347, 1.5 for its 2): beta x 1.5 above 1.5 target, / 1.5 below target / 1.5."""
-
-    def __init__(self, kind: str, beta: float, target: float = 0.0, horizon: int = 10000):
-        self.kind, self.value, self.target, self.horizon = kind, beta, target, horizon
+    kind: str
+    value: float
+    target: float = 0.0
+    horizon: int = 10000
 
     def update(self, kl: float, n_steps: int) -> None:
         if self.kind == "adaptive":
@@ -312,8 +308,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 class PolicyAndValueModel(torch.nn.Module):
-    """The policy and the value model as one module for DDP and FSDP2, saved as the policy's folder with
-    value_model/ in it."""
+    """The policy and the value model as one module (DDP, FSDP2), saved as the policy's folder + value_model/."""
 
     def __init__(self, policy, value_model, tokenizer):
         super().__init__()
@@ -340,11 +335,11 @@ def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
     that V = 0 at the start; layers > 0 keeps only the first `layers` decoder blocks."""
     has_head = any(a.endswith("ForTokenClassification") for a in AutoConfig.from_pretrained(name).architectures or [])
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # no warning about the "newly initialized" head: it is set below
+    hf_logging.set_verbosity_error()  # the head is set below: no "newly initialized" warning
     model = AutoModelForTokenClassification.from_pretrained(name, num_labels=1, dtype=dtype)
     hf_logging.set_verbosity(verbosity)
     if not has_head:
-        for p in (model.score if hasattr(model, "score") else model.classifier).parameters():
+        for p in (getattr(model, "score", None) or model.classifier).parameters():
             torch.nn.init.zeros_(p)
     if layers:  # the decoder blocks are the longest ModuleList (model.layers; GPT-2's transformer.h)
         del max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)[layers:]
@@ -405,14 +400,14 @@ def load_tokenizer(name: str):
 
 
 def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
-    """The split's prompts tokenised once (keeping the last --max-prompt-length tokens), and the columns the reward
-    reads ({name: column}) -> {"ids", "prompts", "texts", "columns"}."""
+    """The split's prompts tokenised once (keeping the last --max-prompt-length tokens), and the reward's keyword
+    arguments: the prompts and the columns it reads ({name: column}) -> {"ids", "texts", "columns"}."""
     prompts = list(split[args.prompt_column])
     texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
     ids = [p[-args.max_prompt_length:] for p in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if [] in ids:
         raise ValueError(f"split '{args.dataset_split}' has an empty prompt (row {ids.index([])}): remove it")
-    return {"ids": ids, "prompts": prompts, "texts": texts, "columns": {n: list(split[c]) for n, c in columns.items()}}
+    return dict(ids=ids, texts=texts, columns={"prompts": prompts, **{n: list(split[c]) for n, c in columns.items()}})
 
 
 def eval_prompts_and_answers(args, tokenizer) -> tuple[list, list]:
@@ -459,17 +454,17 @@ def ppo_rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backe
     with autocast:
         completion_ids, sampler_logp = sample(model, ids, mask, gen_config, backend)
     t1 = time.perf_counter()
-    c_mask, truncated = completion_mask(completion_ids, eos_ids)
+    c_mask, truncated = completion_mask(completion_ids, torch.tensor(eos_ids, device=ids.device))
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    trace = reward.trace(completions, prompts=[data["prompts"][i] for i in rows],
-                         completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)],
-                         **{name: [v[i] for i in rows] for name, v in data["columns"].items()})
+    inputs = {name: [v[i] for i in rows] for name, v in data["columns"].items()}
+    trace = reward.trace(completions, **inputs,
+                         completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)])
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
     return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
             "sampler_logp": sampler_logp, "truncated": truncated,
             "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
-            "prompts": [data["texts"][i] for i in rows], "completions": completions}
+            "prompts": [data["texts"][i] for i in rows], "completions": completions, "reward_inputs": inputs}
 
 
 def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -491,18 +486,17 @@ def ppo_micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[
     """`rows` in length-sorted micro-batches, each trimmed to its widest prompt and completion
     -> [(rows, (input_ids, attention_mask, prompt_width), completion width)]."""
     width, out = batch["prompt_ids"].shape[1], []
-    for sub, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows],
-                                                       size):
-        r = rows[sub]
+    for i, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows], size):
+        r = rows[i]
         out.append((r, (batch["ids"][r, first : width + end], batch["attention"][r, first : width + end],
                         width - first), end))
     return out
 
 
 @torch.no_grad()
-def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast) -> dict:
-    """pi_old's and (beta > 0) pi_ref's log-probs and V_old at every completion token, and the TIS weights
-    -> the batch with "ids", "attention", "old_logp", "ref_logp", "old_values" (, "tis", "tis_capped")."""
+def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast, run) -> dict:
+    """pi_old's and (beta > 0) pi_ref's log-probs and V_old of the completion tokens, the TIS weights, the sampler gap
+    -> batch with "ids", "attention", "old_logp", "ref_logp", "old_values", "sampler_gap" (, "tis", "tis_capped")."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -512,22 +506,20 @@ def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, ar
             old_logp[r, :end], _, old_values[r, :end] = actor_critic(*inputs, args.temperature)
             if args.beta > 0:
                 ref_logp[r, :end] = ppo_reference_logprobs(ref_model, actor_critic.policy, inputs, args.temperature)
-    out = {**batch, "old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values}
+    gap = sampler_gap(run, ((old_logp - batch["sampler_logp"]).abs() * mask).sum(), mask.sum())
+    batch.update(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values, sampler_gap=gap)
     if args.importance_sampling_cap is not None:
-        out["tis"], out["tis_capped"] = truncated_is_weights(old_logp, batch["sampler_logp"], mask,
-                                                             args.importance_sampling_cap)
-    return out
+        cap = args.importance_sampling_cap
+        batch["tis"], batch["tis_capped"] = truncated_is_weights(old_logp, batch["sampler_logp"], mask, cap)
+    return batch
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
-    """Steps 2-3: per-token rewards from the scores and KL_t (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of
-    arXiv:1506.02438), whitening -> {"scores" [B], "kl", "advantages", "returns" [B, T]}."""
+    """Steps 2-3: the scores (less --missing-eos-penalty without EOS), per-token rewards from them and KL_t (Eq. 2 of
+    arXiv:2203.02155), GAE (Eq. 16 of arXiv:1506.02438), whitening -> {"scores" [B], "kl", "advantages", "returns"}."""
     mask = batch["completion_mask"]
-    scores = batch["rewards"]["total"].to(mask.device)
-    scores = penalise_missing_eos(scores, batch["truncated"], args.missing_eos_penalty)
-    kl = torch.zeros_like(mask)
-    if args.beta > 0:
-        kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask
+    scores = batch["rewards"]["total"].to(mask.device) - args.missing_eos_penalty * batch["truncated"].float()
+    kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask if args.beta > 0 else 0 * mask
     rewards = per_token_rewards(scores, kl, mask, kl_coef)
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
@@ -584,12 +576,9 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
 def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, args) -> dict:
     """The step's metrics over all processes: rewards per component, KL, losses, clipping, the critic's fit."""
     mask = batch["completion_mask"]
-    local = {k: stats[k] for k in (*PPO_STATS, "tokens")}
-    local["length"] = mask.sum()
-    local["truncated"] = batch["truncated"].sum()
-    local["n"] = len(mask)
-    local["explained_variance"] = explained_variance(batch["old_values"], batch["returns"], mask) / run.world
-    local["capped"] = batch["tis_capped"].sum() if "tis" in batch else 0
+    local = {**{k: stats[k] for k in (*PPO_STATS, "tokens")}, "length": mask.sum(), "n": len(mask),
+             "truncated": batch["truncated"].sum(), "capped": batch["tis_capped"].sum() if "tis" in batch else 0,
+             "explained_variance": explained_variance(batch["old_values"], batch["returns"], mask) / run.world}
     totals = run.gather(torch.tensor([[float(v) for v in local.values()]], device=mask.device)).sum(0)
     sums = dict(zip(local, totals.tolist()))
     means = {f"train/{k}": sums[k] / max(sums["tokens"], 1) for k in PPO_STATS}
@@ -599,12 +588,12 @@ def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, 
             "train/reward": rewards.pop("rewards/total"), **rewards,
             "train/score": float(run.gather(batch["scores"]).mean()), "train/kl": batch_kl, "train/kl_coef": kl_coef,
             "train/non_score_reward": -kl_coef * batch_kl, **means,
-            "train/explained_variance": sums["explained_variance"], "train/value_mean":
-            float(masked_mean(batch["old_values"], mask)), "train/grad_norm": stats["grad_norm"],
-            "train/value_grad_norm": stats["value_grad_norm"], "train/ppo_epochs": stats["ppo_epochs"],
+            "train/explained_variance": sums["explained_variance"],
+            "train/value_mean": float(masked_mean(batch["old_values"], mask)),
+            **{f"train/{k}": stats[k] for k in ("grad_norm", "value_grad_norm", "ppo_epochs")},
             "train/completion_length": sums["length"] / sums["n"],
             "train/truncated_frac": sums["truncated"] / sums["n"],
-            "train/tis_capped_frac": sums["capped"] / max(sums["length"], 1)}
+            "train/tis_capped_frac": sums["capped"] / max(sums["length"], 1), "train/sampler_gap": batch["sampler_gap"]}
 
 
 def perf_metrics(timing: dict, tokens: int, steps: int) -> dict:
@@ -618,17 +607,6 @@ def sample_table(step: int, batch: dict, n: int) -> tuple[str, list, list]:
     rows = zip(batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n], batch["scores"][:n])
     return "train/samples", ["step", "prompt", "completion", "reward", "score"], [
         [step, p, c, float(r), float(s)] for p, c, r, s in rows]
-
-
-def centre_per_prompt(scores: torch.Tensor, group: int) -> torch.Tensor:
-    """Each score less the mean score of its prompt's `group` completions (consecutive rows). [B] -> [B]."""
-    return scores - scores.view(-1, group).mean(1).repeat_interleave(group)
-
-
-def gold_rewards(gold, batch: dict, data: dict, rows: list[int]) -> torch.Tensor:
-    """--gold-reward's scores of the batch's completions [B]."""
-    columns = {k: [v[i] for i in rows] for k, v in data["columns"].items()}
-    return torch.tensor(gold(batch["completions"], prompts=[data["prompts"][i] for i in rows], **columns))
 
 
 def load_policy_and_value_model(args, device, tokenizer):
@@ -654,9 +632,7 @@ def load_policy_and_value_model(args, device, tokenizer):
         value_model = get_peft_model(value_model, LoraConfig(**lora, task_type="TOKEN_CLS",  # TOKEN_CLS saves the head
                                                              exclude_modules=["score", "classifier"]))
         return model, value_model, None, eos_ids
-    ref_model = None
-    if args.beta > 0:
-        ref_model = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
+    ref_model = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False) if args.beta else None
     return model, value_model, ref_model, eos_ids
 
 
@@ -669,19 +645,19 @@ def restore_value_model(value_model, args, run) -> None:
 
         set_peft_model_state_dict(value_model, load_file(path / "adapter_model.safetensors", device=str(run.device)))
     elif not run.fsdp:
-        value_model.load_state_dict(load_value_model(str(path), next(value_model.parameters()).dtype).state_dict())
+        value_model.load_state_dict(load_value_model(str(path), value_model.dtype).state_dict())
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments), then set up processes and seeds.
+    # 0. Check every input before any work (a resumed run takes its own arguments); processes and seeds.
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     reward = make_reward(args.reward)
     gold = make_reward(args.gold_reward) if args.gold_reward else None
-    run = Run(args, overrides, shown=("train/reward", "eval/accuracy", "train/kl"))
-    device, rank, world, G = run.device, run.rank, run.world, args.num_generations
+    run = Run(args, overrides, ("train/reward", "eval/accuracy") + ("train/kl",) * (args.beta > 0))
+    device, world, G = run.device, run.world, args.num_generations
 
-    # 1. Data: the prompts, tokenised once, with the columns the rewards need; the eval prompts and answers.
+    # 1. Data: prompts tokenised once, the rewards' columns, the eval split; each prompt + completion fits the context.
     tokenizer = load_tokenizer(args.model_name_or_path)
     needed = reward.required_columns | (gold.required_columns if gold else set())
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(needed)}
@@ -689,40 +665,43 @@ def main(args: Args) -> dict:
                        "--prompt-column/--answer-column, or a --reward/--gold-reward that does not need them")
     data = rl_prompts(args, tokenizer, train, columns)
     eval_prompts, eval_answers = eval_prompts_and_answers(args, tokenizer)
+    eval_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts]
+    for name, ids in ((args.model_name_or_path, data["ids"] + eval_ids), (args.value_model_name_or_path, data["ids"])):
+        if name:  # None: the policy's
+            check_context(AutoConfig.from_pretrained(name), ids, args.max_completion_length, "--max-completion-length")
 
     # 2. Models: the policy and the value model, one module for DDP / FSDP2; the frozen reference.
     model, value_model, ref_model, eos_ids = load_policy_and_value_model(args, device, tokenizer)
     raw_actor_critic = actor_critic = PolicyAndValueModel(model, value_model, tokenizer)
-    if run.fsdp:  # each decoder layer of the three models sharded over the processes
+    if run.fsdp:  # each decoder layer of the three models sharded over processes
         actor_critic = run.shard(actor_critic, decoder_layers(model) + decoder_layers(value_model))
         ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
     elif run.ddp:
-        actor_critic = torch.nn.parallel.DistributedDataParallel(
-            actor_critic, device_ids=[device] if device.type == "cuda" else None)
+        actor_critic = torch.nn.parallel.DistributedDataParallel(actor_critic)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0,  # the full softmax(logits/T)
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
 
-    # 3. Optimiser (a parameter group per model), schedule, KL controller, data order; on --resume their states.
+    # 3. Optimiser (a group per model), schedule, KL controller, data order; on --resume their states.
     param_groups = [{"params": [p for p in m.parameters() if p.requires_grad], "lr": lr}
                     for m, lr in ((model, args.learning_rate), (value_model, args.value_learning_rate))]
     optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     run.trained = (actor_critic, optimizer)  # what --fsdp checkpoints in shards
-    lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
+    lr_anchor = None  # set by a resume that changes --total-steps (lr_factor)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     kl_ctl = KLController(args.kl_controller, args.beta, args.kl_target, args.kl_horizon)
-    order = DataOrder(len(data["ids"]), args.seed * 1000 + rank)
+    order = DataOrder(len(data["ids"]), args.seed * 1000 + run.rank)
     state = run.restore(model, optimizer, scheduler)
     if state:
         restore_value_model(value_model, args, run)
-        if "reward" not in overrides:  # a new --reward (a reward model retrained on this policy) starts afresh
+        if "reward" not in overrides:  # a new --reward (retrained on this policy) starts afresh
             reward.load_state_dict(state["reward"])
         kl_ctl.load_state_dict(state["kl_controller"])
         order.load(state)
         lr_anchor = state["lr_anchor"]
-        if "total_steps" in overrides:  # the decay continues from where it is to the new last step
+        if "total_steps" in overrides:  # the decay goes on from here to the new last step
             old_total = overrides["total_steps"][0]
             lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, lr_anchor))
 
@@ -742,35 +721,32 @@ def main(args: Args) -> dict:
     # 4. Train.
     sizes = " + ".join(f"{sum(p.numel() for p in g['params']) / 1e6:.2f}M" for g in param_groups)
     run.say(f"run directory: {run.dir}  |  {len(data['ids'])} training prompts, {len(eval_prompts)} eval prompts, "
-            f"{sizes} trainable parameters (policy + value model) on {device}")
+            f"{sizes} trainable parameters (policy + value) on {device}")
     final, tokens, last_log = {}, 0, run.start
     timing = dict.fromkeys(("step", "generate", "score", "train"), 0.0)  # seconds since the last log row
-    eos_tensor = torch.tensor(eos_ids, device=device)
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
             run.stop = run.stop or step == args.pause_at_step  # (checked after the step)
-            # 4a. Roll out: a completion (or G) for each prompt from pi_old, scored (Sec. 2 of arXiv:1909.08593).
-            with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
+            # 4a. Roll out G completions of each prompt from pi_old and score them (Sec. 2 of arXiv:1909.08593).
+            with run.whole():  # --fsdp: whole weights while sampling (processes may run different step counts)
                 rows = [i for i in order.draw(args.prompts_per_step // world) for _ in range(G)]
-                batch = ppo_rollout(model, tokenizer, data, rows, gen_config, args.generation_backend, eos_tensor,
+                batch = ppo_rollout(model, tokenizer, data, rows, gen_config, args.generation_backend, eos_ids,
                                     reward, autocast, timing)
-            if args.center_scores_per_prompt:  # rewards/<name> stay raw
-                batch["rewards"]["total"] = centre_per_prompt(batch["rewards"]["total"], G)
+            if args.center_scores_per_prompt:  # less the mean of the prompt's G scores; rewards/<name> stay raw
+                total = batch["rewards"]["total"]
+                batch["rewards"]["total"] = total - total.view(-1, G).mean(1).repeat_interleave(G)
             if gold is not None:  # logged, never in the loss
-                batch["rewards"]["gold"] = gold_rewards(gold, batch, data, rows)
+                batch["rewards"]["gold"] = torch.tensor(gold(batch["completions"], **batch["reward_inputs"]))
             t_train = time.perf_counter()
-            # 4b. pi_old's and pi_ref's log-probs and V_old, without gradients; the sampler gap (the mean
-            #     |sampler - pi_old| log-prob; too large on the first batch stops the run).
-            batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast)
-            mask = batch["completion_mask"]
-            gap = sampler_gap(run, ((batch["old_logp"] - batch["sampler_logp"]).abs() * mask).sum(), mask.sum())
+            # 4b. pi_old's and pi_ref's log-probs and V_old, without gradients; the sampler's gap to pi_old.
+            batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast, run)
             # 4c. Per-token rewards -beta KL_t + [t = last] s, GAE, whitened advantages.
             kl_coef = kl_ctl.value
             batch.update(compute_advantages(batch, kl_coef, args))
             # 4d. PPO epochs over shuffled mini-batches: the clipped policy and value losses, the entropy bonus.
             stats = ppo_update(actor_critic, optimizer, batch, micro, args, autocast)
-            lr = scheduler.get_last_lr()[0]  # the rate of this step's updates (logged below)
+            lr = scheduler.get_last_lr()[0]  # this step's rate (logged below)
             scheduler.step()
             # 4e. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
             batch_kl = float(run.gather(batch["kl"].sum(dim=1)).mean())
@@ -782,7 +758,7 @@ def main(args: Args) -> dict:
             # 4f. Log.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **ppo_metrics(run, batch, stats, kl_coef, batch_kl, args), "train/lr": lr,
-                         "train/sampler_gap": gap, **perf_metrics(timing, tokens, step - last_log)}
+                         **perf_metrics(timing, tokens, step - last_log)}
                 run.log(final, sample_table(step, batch, args.num_sample_completions))
                 tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
 
@@ -793,8 +769,9 @@ def main(args: Args) -> dict:
     return run.finish(final, measure, save, merged if args.lora_r else raw_actor_critic, tokenizer)
 
 
-RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "num_sample_completions",
-                     "track", "wandb_project_name", "wandb_entity", "device", "reward", "pause_at_step")
+RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "save_every_minutes", "eval_limit",
+                     "num_sample_completions", "track", "wandb_project_name", "wandb_entity", "device", "reward",
+                     "pause_at_step")
 
 
 def check_args(args: Args) -> int:
@@ -994,10 +971,8 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             ds = load_dataset("json", data_files=str(path), split="train")
         else:
             ds = load_dataset(args.dataset, split=split)
-    except Exception as e:  # the file's first bad line, else the loader's own error
-        if not file.is_file():
-            raise
-        raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
+    except Exception as e:  # the file's first bad line, else the loader's own error (e.g. offline), in one line
+        raise ValueError(f"{file}{file.is_file() and json_lines_problem(file, option) or f': {e}'}") from None
     missing = [c for c in columns if c not in ds.column_names]
     problem = missing and file.is_file() and json_lines_problem(file, option)  # e.g. rows that are JSON lists
     if problem:
@@ -1033,23 +1008,26 @@ def json_lines_problem(file: Path, option: str) -> Optional[str]:
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hugging Face Hub (one request, before any work)."""
+    """True for a local path; a hub id must be on the Hugging Face Hub, or offline a model in its cache."""
     if Path(name).expanduser().exists():
         return True
-    hint = "a local path (e.g. models/tiny-arith, data/arith) or a hub id"
+    hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
     if name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1 or Path(
             name.split("/")[0]).exists():
         raise ValueError(f"{kind} '{name}' does not exist: pass {hint}")
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
-    if offline:
-        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
-                         f"pass a local path or unset {offline[0]}")
-    from huggingface_hub import repo_exists
+    from huggingface_hub import repo_exists, snapshot_download
 
+    get = (f"`hf download {name}`, then pass the folder it prints" if kind == "model" else "save its splits as "
+           "<split>.jsonl files in a folder and pass the folder")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        found = repo_exists(name, repo_type=kind)
-    except Exception as e:  # no network, a proxy: say so now rather than after retries
-        raise ValueError(f"{kind} '{name}': the Hugging Face Hub cannot be reached ({type(e).__name__}): pass {hint}")
+        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+            snapshot_download(name, local_files_only=True)
+        found = offline or repo_exists(name, repo_type=kind)
+    except Exception as e:  # not cached; no network, a proxy: say so now rather than after retries
+        raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
+                         f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
+                         "cache holds it, or ") + get) from None
     if not found:
         raise ValueError(f"{kind} '{name}' is not on the Hugging Face Hub (private? `hf auth login`): pass {hint}")
     return False
@@ -1071,6 +1049,12 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
             raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
                              f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+    if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
+    if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+        args.warmup_steps = args.total_steps // 10
     if getattr(args, "fsdp", False):
         check_fsdp(args)
 
@@ -1080,14 +1064,11 @@ def check_fsdp(args) -> None:
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
-        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N (one process "
-                         "per GPU), or drop --fsdp for a single process")
+        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
-                         "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
-                         f"and optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -1105,6 +1086,14 @@ def decoder_layers(model) -> list:
     return list(max(lists, key=len))
 
 
+def check_context(config, prompt_ids: list, new_tokens: int, flag: str) -> None:
+    """Before the model loads: the longest prompt and the tokens generated after it fit the model's positions."""
+    context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
+    if context and longest + new_tokens > context:
+        raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
+                         f"pass {flag} {context - longest} or less, or shorter prompts")
+
+
 def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
     """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to `cap`."""
     works = [d for d in range(1, min(requested or cap, per_process) + 1) if per_process % d == 0][-1]
@@ -1120,9 +1109,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        where = "runs/<run>/checkpoints/step_N"
-        if found:
-            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        where = f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "<run>/checkpoints/step_N"
         raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
@@ -1130,7 +1117,7 @@ def resume_args(args, may_change: tuple[str, ...]):
     out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
     for name in fields:
         given = getattr(args, name)
-        if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
+        if name in ("exp_name", "output_dir", "run_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
@@ -1170,8 +1157,7 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 class Run:
     """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
-    evaluation and checkpoint cadence, the progress line and the closing summary."""
+    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -1192,9 +1178,11 @@ class Run:
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
-        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.output_dir) / args.run_name
+            args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
+        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
         self.start = self.step = self.steps_done = 0
-        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False
+        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
+        self.signal, self.saved_at = 0, time.time()
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
@@ -1287,6 +1275,7 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
         """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
+        self.saved, self.saved_at = path, time.time()
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
@@ -1343,49 +1332,49 @@ class Run:
             rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
             rows = [r for r in rows if r["step"] <= self.start]
             (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the summary's start values are the run's own, from before the resume
-                self.first = {**row, **self.first}
+            for row in rows:  # the summary's start values and the progress line's last eval are the run's own
+                self.first, self.last = {**row, **self.first}, {**self.last, **row}
             saved = json.loads((self.dir / "args.json").read_text())
             saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
                                                     "overrides": self.overrides})
             (self.dir / "args.json").write_text(json.dumps(saved, indent=2))
-            for name, (old, new) in self.overrides.items():
-                print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
+            print(f"resumed from step {self.start} of {args.total_steps} ({args.resume})" + "".join(
+                f"; --{k.replace('_', '-')} {new} (the run had {old})" for k, (old, new) in self.overrides.items()))
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:
-            import wandb
-
-            try:
-                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                           config=vars(args), dir=str(self.dir), resume="allow")
-            except Exception:  # e.g. no login: wandb's own error says how to log in
-                if not args.resume:
-                    shutil.rmtree(self.dir, ignore_errors=True)
-                raise
-            self.wandb = wandb
-        self.previous = signal.signal(signal.SIGINT, self.interrupt)
+        if self.ddp:
+            self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
-        self.stop = True
+    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+        ctrl_c, self.signal = signum == signal.SIGINT, signum
+        if ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
         if self.rank == 0:
-            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
-                  f"saving)", file=sys.stderr, flush=True)
+            print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: finishing step {self.step}, then saving a checkpoint" +
+                  " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
 
     def __exit__(self, kind, *exc):  # after a Ctrl-C, or if started with SIGINT ignored (`&`), Ctrl-C quits at once
-        quit_at_once = self.stop or self.previous == signal.SIG_IGN
-        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous)
+        quit_at_once = self.signal or self.previous[0] == signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
+        signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
-        after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
+        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
+            import wandb
+
+            args = self.args
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=str(self.dir), resume="allow")
+            self.wandb = wandb
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -1396,15 +1385,16 @@ class Run:
             self.report()
             if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
                 self.evaluate(measure)
-            if self.args.save_every and self.step % self.args.save_every == 0:
+            minutes = self.args.save_every_minutes and time.time() - self.saved_at > 60 * self.args.save_every_minutes
+            stop = max(int(self.stop), self.signal)  # (a signal during the all_reduce counts at the next step)
+            if self.ddp:  # every process stops (or saves) at the same step, even if the signal reached them apart
+                flags = torch.tensor([float(stop), float(minutes)], device=self.device)
+                dist.all_reduce(flags, dist.ReduceOp.MAX)
+                stop, minutes = int(flags[0]), bool(flags[1])
+            self.stop = stop
+            if self.stop or minutes or self.args.save_every and self.step % self.args.save_every == 0:
                 save()
-            if self.ddp:  # every process stops at the same step, even if the signal reached them apart
-                flag = torch.tensor([float(self.stop)], device=self.device)
-                dist.all_reduce(flag)
-                self.stop = bool(flag.item())
             if self.stop:
-                path = save()
-                self.say(f"interrupted: saved {path}; continue with --resume {path}")
                 return
 
     def report(self) -> None:
@@ -1412,8 +1402,8 @@ class Run:
         per_step = self.seconds / self.steps_done
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
-        if self.progress:
-            self.bar.set_postfix_str(f"{text} | {per_step:.2f} s/step")
+        if self.progress:  # (tqdm shows s/step)
+            self.bar.set_postfix_str(text)
         elif self.rank == 0 and self.step % self.args.log_every == 0:
             print(f"step {self.step}/{self.args.total_steps} | {text} | {per_step:.2f} s/step | ETA "
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
@@ -1434,15 +1424,20 @@ class Run:
                 print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
+        if self.stop:  # the last line printed
+            self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         if self.ddp:
             dist.destroy_process_group()
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
+    """main(the flags); this repository's ValueErrors as one line, not a traceback. Exit code 0 at --total-steps,
+    128 + the signal after a saved Ctrl-C (130) or SIGTERM (143), 130 after a second Ctrl-C."""
     try:
-        main(tyro.cli(Args))
+        stop = main(tyro.cli(Args))["interrupted"]
+        if stop > 1:  # (True: a planned pause)
+            sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)

@@ -9,8 +9,8 @@ K samples of the policy with a rule labeler. The mean and std of the training pa
 final/config.json (`reward_mean`, `reward_std`) for ppo.py's whitened rewards.
 
 Run (more, and InstructGPT's whole pipeline: docs/reward_model.md):
-    python reward_model.py                                        # embedded: models/tiny-arith on data/arith prefs
-    torchrun --nproc-per-node 2 reward_model.py                  # data parallel (gloo on CPU, nccl on GPU)
+    python reward_model.py  # embedded: models/tiny-arith on data/arith prefs
+    torchrun --nproc-per-node 2 reward_model.py  # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/reward_model.md):
 - The new score head is initialised N(0, 1/(H+1)) as in lm-human-preferences (arXiv:2403.17031), not HF's std 0.02.
@@ -85,7 +85,7 @@ class Args:
     dataset: str = "data/arith"
     """local folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "prefs"
-    """split with the training pairs"""
+    """split with the training pairs (prefs: train if a folder has no prefs.jsonl)"""
     eval_split: Optional[str] = "prefs_test"
     """split with held-out pairs for eval/pref_accuracy (None: no eval)"""
     prompt_column: str = "prompt"
@@ -131,7 +131,7 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: only at the end and on Ctrl-C)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
+    """also a checkpoint every this many minutes (0: off), so a killed run loses no more"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue"""
 
@@ -159,7 +159,7 @@ class Args:
     output_dir: str = "runs"
     """where run directories are created"""
     run_dir: Optional[str] = None
-    """the run directory, if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>; must not exist"""
+    """the run directory itself, not <output-dir>/<run name>; must not exist"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 
@@ -167,8 +167,7 @@ class Args:
 # ---- the algorithm
 
 
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: Optional[torch.Tensor] = None,
-                    center_coef: float = 0.0, tie: Optional[torch.Tensor] = None, nu: float = 0.0) -> torch.Tensor:
+def bradley_terry_loss(chosen, rejected, margin=None, center_coef: float = 0.0, tie=None, nu: float = 0.0):
     """Per-pair loss, chosen, rejected, margin, tie (bool): [B] -> [B] float32: -log sigmoid(r_c - r_r - m) (Eq. 1
     of arXiv:2203.02155; m: Eq. 2 of arXiv:2307.09288) + center_coef (r_c + r_r)^2 (centring, arXiv:2312.09244).
     nu > 0: Davidson (1970; restated in arXiv:1909.07123 Sec. 1.1), strengths e^r, d = r_c - r_r:
@@ -188,7 +187,7 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: Opt
     return loss
 
 
-def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(model, input_ids, attention_mask) -> torch.Tensor:
     """The classifier's score at each sequence's last real token (the rightmost that is not the pad id):
     input_ids, attention_mask [B, T], padded on either side -> [B] float32. Position ids count real tokens only."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -273,7 +272,7 @@ def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_len
     return rankings, dropped
 
 
-def right_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def right_pad(rows: list, pad_id: int) -> tuple:
     """Token lists -> (ids [B, T] right-padded with pad_id, attention mask [B, T])."""
     pad = torch.nn.utils.rnn.pad_sequence
     return (pad([torch.tensor(x, dtype=torch.long) for x in rows], batch_first=True, padding_value=pad_id),
@@ -366,8 +365,7 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
     """What is wrong with a row as a preference pair, or None: `columns` (prompt, chosen, rejected, ...) filled in,
     two different completions as text, a boolean `tie` (when read) and a number in column `margin` (when given)."""
     chosen, rejected = row.get(columns[1]), row.get(columns[2])
-    missing = [c for c in columns if row.get(c) is None]
-    if missing:
+    if missing := [c for c in columns if row.get(c) is None]:
         return f"no column {missing}: fill it in or remove the row"
     if not isinstance(chosen, str) or not isinstance(rejected, str):
         return f"'{columns[1]}' and '{columns[2]}' must be text, got {chosen!r} and {rejected!r}"
@@ -382,8 +380,15 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
 
 def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
     """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
-    work: a bad row is one line naming the file and line (a hub split: its row)."""
-    split, path = getattr(args, flag), Path(args.dataset).expanduser()
+    work: a bad row is one line naming the file and line (a hub split: its row). The default --dataset-split prefs of
+    a folder without prefs.jsonl is its train.jsonl (said, and recorded in args.json)."""
+    path = Path(args.dataset).expanduser()
+    if flag == "dataset_split" and args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and (
+            path / "train.jsonl").exists():
+        args.dataset_split = "train"
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"{path} has no prefs.jsonl: training on its train.jsonl (--dataset-split train)")
+    split = getattr(args, flag)
     ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column or the flag naming it")
     where = f"{path / split}.jsonl, line" if path.is_dir() else f"{args.dataset}, split '{split}', row"
     for i, row in enumerate(ds, 1):
@@ -453,8 +458,7 @@ class PairScorer(torch.nn.Module):
 
 
 @torch.no_grad()
-def score_sequences(model, rows: list[list[int]], pad_id: int, device, autocast, batch_size: int = 256,
-                    progress: bool = False) -> torch.Tensor:
+def score_sequences(model, rows: list, pad_id: int, device, autocast, batch_size: int = 256, progress: bool = False):
     """Scores of token lists in eval mode -> [N] float32 on the CPU. Each distinct list is scored once, in length
     order (less padding)."""
     model.eval()
@@ -471,8 +475,7 @@ def score_sequences(model, rows: list[list[int]], pad_id: int, device, autocast,
 
 def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = False) -> dict:
     """Held-out pairs -> pair accuracy (ties count as wrong), mean margin r_c - r_r and the loss of Eq. 1."""
-    scores = score_sequences(model, [p[0] for p in pairs] + [p[1] for p in pairs], pad_id, device, autocast,
-                             progress=progress)
+    scores = score_sequences(model, [p[i] for i in (0, 1) for p in pairs], pad_id, device, autocast, progress=progress)
     chosen, rejected = scores.split(len(pairs))
     return {"eval/pref_accuracy": float((chosen > rejected).float().mean()), "eval/margin":
             float((chosen - rejected).mean()), "eval/loss": float(bradley_terry_loss(chosen, rejected).mean())}
@@ -546,8 +549,7 @@ def comparison_data(args, run, tokenizer):
                               ("eval_split", "comparisons_test", args.eval_limit)):
         path = run.dir / f"{name}.jsonl"
         if run.rank == 0 and flag in splits and not path.exists():
-            ds = splits[flag].select(range(min(limit, len(splits[flag]))))
-            rows = policy_comparisons(args, tokenizer, ds, run.device, run.progress,
+            rows = policy_comparisons(args, tokenizer, splits[flag].take(limit), run.device, run.progress,
                                       ties=flag == "dataset_split" and args.tie_strength > 0)
             run.dir.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -579,7 +581,7 @@ def collate_rankings(rankings, pad_id: int):
 
 
 def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: int, world: int, device,
-                      autocast, rankings: bool = False, nu: float = 0.0) -> tuple[dict, torch.Tensor]:
+                      autocast, rankings: bool = False, nu: float = 0.0) -> tuple:
     """One optimiser step on this process's pairs (or rankings), `micro` at a time, on Eq. 1's mean over the global
     batch (a ranking's pairs weigh 1 / C(K,2) each). nu: Davidson's tie strength; at 0 a tie adds no loss."""
     ddp = isinstance(scorer, torch.nn.parallel.DistributedDataParallel)
@@ -599,8 +601,8 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
                 margins = torch.tensor([p[2] for p in chunk], device=device)
                 scores = scorer(*pair_batch(chunk, pad_id, packed, device))
                 chosen, rejected, ties = scores[:, 0], scores[:, 1], torch.tensor([p[3] for p in chunk], device=device)
-            loss = bradley_terry_loss(chosen, rejected, margins if args.margin_column else None,
-                                   args.center_rewards_coef, ties, nu).masked_fill(ties & (nu == 0), 0.0)
+            loss = bradley_terry_loss(chosen, rejected, margins, args.center_rewards_coef, ties, nu).masked_fill(
+                ties & (nu == 0), 0.0)
             loss = (loss if weights is None else loss * weights).sum() / args.batch_size
             (loss * world).backward()
         chosen, rejected, scores = chosen.detach()[~ties], rejected.detach()[~ties], scores.detach()  # ties: no order
@@ -641,7 +643,7 @@ def load_reward_model(args: Args, tokenizer, device) -> tuple:
     return model, new_head
 
 
-def load_preference_splits(args: Args, run, tokenizer) -> tuple[list, list, list, bool]:
+def load_preference_splits(args: Args, run, tokenizer) -> tuple:
     """Every split, checked and tokenised before the model loads (--comparisons: made first) -> (training pairs or
     rankings, held-out pairs, held-out comparisons, whether the training data are rankings)."""
     data_args, held_out = comparison_data(args, run, tokenizer) if args.comparisons else (args, [])
@@ -672,8 +674,8 @@ def chosen_statistics(model, pairs: list, rankings: bool, pad_id: int, device, a
     return {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
 
 
-RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "track",
-                     "wandb_project_name", "wandb_entity", "device", "pack_pairs")
+RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "save_every_minutes", "eval_limit",
+                     "track", "wandb_project_name", "wandb_entity", "device", "pack_pairs")
 
 
 def main(args: Args) -> dict:
@@ -681,8 +683,7 @@ def main(args: Args) -> dict:
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     run = Run(args, overrides, shown=("train/loss", "train/accuracy", "eval/pref_accuracy"))
-    device = run.device
-    world = run.world
+    device, world = run.device, run.world
 
     # 1. Data: each pair as the token ids of prompt + chosen and prompt + rejected (and its margin), or rankings.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -699,8 +700,8 @@ def main(args: Args) -> dict:
     if run.fsdp:  # each decoder layer sharded over the processes (FSDP2)
         scorer = run.shard(scorer, decoder_layers(model))
     elif run.ddp:
-        scorer = torch.nn.parallel.DistributedDataParallel(scorer, device_ids=[device] if device.type == "cuda"
-                                                           else None)
+        scorer = torch.nn.parallel.DistributedDataParallel(
+            scorer, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
 
     # 3. Optimiser, schedule and data order (the same on every process); on --resume the weights, then their states.
@@ -720,9 +721,9 @@ def main(args: Args) -> dict:
         return metrics, []
 
     def save() -> Path:
-        return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
-                                                 "scheduler": scheduler.state_dict(), "lr_anchor": lr_anchor[0],
-                                                 **order.state(), "pref_order": pref_order.state()}, per_rank={})
+        state = {"optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        state.update(lr_anchor=lr_anchor[0], **order.state(), pref_order=pref_order.state())
+        return run.checkpoint(model, tokenizer, state, per_rank={})
 
     # 4. Train.
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -781,17 +782,17 @@ def main(args: Args) -> dict:
 
 def check_args(args: Args) -> int:
     """Every check of the flags, before any work -> the micro-batch (pairs) of a process."""
-    check_common(args, ("total_steps", "batch_size", "max_length", "log_every", "learning_rate", "comparison_prompts",
-                  "temperature", "max_completion_length"),
-                 ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "micro_batch_size",
-                  "center_rewards_coef", "tie_strength", "tie_start_step"),
-                 (args.model_name_or_path, *[args.policy] * bool(args.policy)))
+    positive = ("total_steps", "batch_size", "max_length", "log_every", "learning_rate", "comparison_prompts",
+                "temperature", "max_completion_length")
+    non_negative = ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "micro_batch_size",
+                    "center_rewards_coef", "tie_strength", "tie_start_step")
+    check_common(args, positive, non_negative, (args.model_name_or_path, *[args.policy] * bool(args.policy)))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: "
                          f"use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}")
-    micro = fit_micro_batch(args.micro_batch_size, args.batch_size // world,
-                            f"each process's pairs (--batch-size / {world} processes)" if world > 1 else "--batch-size")
+    what = f"each process's pairs (--batch-size / {world} processes)" if world > 1 else "--batch-size"
+    micro = fit_micro_batch(args.micro_batch_size, args.batch_size // world, what)
     if args.lora_r and importlib.util.find_spec("peft") is None:
         raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")
     if args.tie_strength and args.margin_column:
@@ -903,10 +904,8 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             ds = load_dataset("json", data_files=str(path), split="train")
         else:
             ds = load_dataset(args.dataset, split=split)
-    except Exception as e:  # the file's first bad line, else the loader's own error
-        if not file.is_file():
-            raise
-        raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
+    except Exception as e:  # the file's first bad line, else the loader's own error (e.g. offline), in one line
+        raise ValueError(f"{file}{file.is_file() and json_lines_problem(file, option) or f': {e}'}") from None
     missing = [c for c in columns if c not in ds.column_names]
     problem = missing and file.is_file() and json_lines_problem(file, option)  # e.g. rows that are JSON lists
     if problem:
@@ -942,23 +941,26 @@ def json_lines_problem(file: Path, option: str) -> Optional[str]:
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hugging Face Hub (one request, before any work)."""
+    """True for a local path; a hub id must be on the Hugging Face Hub, or offline a model in its cache."""
     if Path(name).expanduser().exists():
         return True
-    hint = "a local path (e.g. models/tiny-arith, data/arith) or a hub id"
+    hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
     if name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1 or Path(
             name.split("/")[0]).exists():
         raise ValueError(f"{kind} '{name}' does not exist: pass {hint}")
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
-    if offline:
-        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
-                         f"pass a local path or unset {offline[0]}")
-    from huggingface_hub import repo_exists
+    from huggingface_hub import repo_exists, snapshot_download
 
+    get = (f"`hf download {name}`, then pass the folder it prints" if kind == "model" else "save its splits as "
+           "<split>.jsonl files in a folder and pass the folder")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        found = repo_exists(name, repo_type=kind)
-    except Exception as e:  # no network, a proxy: say so now rather than after retries
-        raise ValueError(f"{kind} '{name}': the Hugging Face Hub cannot be reached ({type(e).__name__}): pass {hint}")
+        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+            snapshot_download(name, local_files_only=True)
+        found = offline or repo_exists(name, repo_type=kind)
+    except Exception as e:  # not cached; no network, a proxy: say so now rather than after retries
+        raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
+                         f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
+                         "cache holds it, or ") + get) from None
     if not found:
         raise ValueError(f"{kind} '{name}' is not on the Hugging Face Hub (private? `hf auth login`): pass {hint}")
     return False
@@ -980,6 +982,12 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
             raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
                              f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+    if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
+    if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+        args.warmup_steps = args.total_steps // 10
     if getattr(args, "fsdp", False):
         check_fsdp(args)
 
@@ -989,14 +997,11 @@ def check_fsdp(args) -> None:
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
-        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N (one process "
-                         "per GPU), or drop --fsdp for a single process")
+        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
-                         "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
-                         f"and optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -1029,9 +1034,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        where = "runs/<run>/checkpoints/step_N"
-        if found:
-            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        where = f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "<run>/checkpoints/step_N"
         raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
@@ -1039,7 +1042,7 @@ def resume_args(args, may_change: tuple[str, ...]):
     out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
     for name in fields:
         given = getattr(args, name)
-        if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
+        if name in ("exp_name", "output_dir", "run_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
@@ -1079,8 +1082,7 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 class Run:
     """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
-    evaluation and checkpoint cadence, the progress line and the closing summary."""
+    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -1101,9 +1103,11 @@ class Run:
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
-        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.output_dir) / args.run_name
+            args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
+        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
         self.start = self.step = self.steps_done = 0
-        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False
+        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
+        self.signal, self.saved_at = 0, time.time()
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
@@ -1196,6 +1200,7 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
         """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
+        self.saved, self.saved_at = path, time.time()
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
@@ -1252,49 +1257,49 @@ class Run:
             rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
             rows = [r for r in rows if r["step"] <= self.start]
             (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the summary's start values are the run's own, from before the resume
-                self.first = {**row, **self.first}
+            for row in rows:  # the summary's start values and the progress line's last eval are the run's own
+                self.first, self.last = {**row, **self.first}, {**self.last, **row}
             saved = json.loads((self.dir / "args.json").read_text())
             saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
                                                     "overrides": self.overrides})
             (self.dir / "args.json").write_text(json.dumps(saved, indent=2))
-            for name, (old, new) in self.overrides.items():
-                print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
+            print(f"resumed from step {self.start} of {args.total_steps} ({args.resume})" + "".join(
+                f"; --{k.replace('_', '-')} {new} (the run had {old})" for k, (old, new) in self.overrides.items()))
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:
-            import wandb
-
-            try:
-                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                           config=vars(args), dir=str(self.dir), resume="allow")
-            except Exception:  # e.g. no login: wandb's own error says how to log in
-                if not args.resume:
-                    shutil.rmtree(self.dir, ignore_errors=True)
-                raise
-            self.wandb = wandb
-        self.previous = signal.signal(signal.SIGINT, self.interrupt)
+        if self.ddp:
+            self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
-        self.stop = True
+    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+        ctrl_c, self.signal = signum == signal.SIGINT, signum
+        if ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
         if self.rank == 0:
-            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
-                  f"saving)", file=sys.stderr, flush=True)
+            print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: finishing step {self.step}, then saving a checkpoint" +
+                  " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
 
     def __exit__(self, kind, *exc):  # after a Ctrl-C, or if started with SIGINT ignored (`&`), Ctrl-C quits at once
-        quit_at_once = self.stop or self.previous == signal.SIG_IGN
-        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous)
+        quit_at_once = self.signal or self.previous[0] == signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
+        signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
-        after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
+        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
+            import wandb
+
+            args = self.args
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=str(self.dir), resume="allow")
+            self.wandb = wandb
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -1305,15 +1310,16 @@ class Run:
             self.report()
             if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
                 self.evaluate(measure)
-            if self.args.save_every and self.step % self.args.save_every == 0:
+            minutes = self.args.save_every_minutes and time.time() - self.saved_at > 60 * self.args.save_every_minutes
+            stop = max(int(self.stop), self.signal)  # (a signal during the all_reduce counts at the next step)
+            if self.ddp:  # every process stops (or saves) at the same step, even if the signal reached them apart
+                flags = torch.tensor([float(stop), float(minutes)], device=self.device)
+                dist.all_reduce(flags, dist.ReduceOp.MAX)
+                stop, minutes = int(flags[0]), bool(flags[1])
+            self.stop = stop
+            if self.stop or minutes or self.args.save_every and self.step % self.args.save_every == 0:
                 save()
-            if self.ddp:  # every process stops at the same step, even if the signal reached them apart
-                flag = torch.tensor([float(self.stop)], device=self.device)
-                dist.all_reduce(flag)
-                self.stop = bool(flag.item())
             if self.stop:
-                path = save()
-                self.say(f"interrupted: saved {path}; continue with --resume {path}")
                 return
 
     def report(self) -> None:
@@ -1321,8 +1327,8 @@ class Run:
         per_step = self.seconds / self.steps_done
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
-        if self.progress:
-            self.bar.set_postfix_str(f"{text} | {per_step:.2f} s/step")
+        if self.progress:  # (tqdm shows s/step)
+            self.bar.set_postfix_str(text)
         elif self.rank == 0 and self.step % self.args.log_every == 0:
             print(f"step {self.step}/{self.args.total_steps} | {text} | {per_step:.2f} s/step | ETA "
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
@@ -1343,15 +1349,20 @@ class Run:
                 print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
+        if self.stop:  # the last line printed
+            self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         if self.ddp:
             dist.destroy_process_group()
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
+    """main(the flags); this repository's ValueErrors as one line, not a traceback. Exit code 0 at --total-steps,
+    128 + the signal after a saved Ctrl-C (130) or SIGTERM (143), 130 after a second Ctrl-C."""
     try:
-        main(tyro.cli(Args))
+        stop = main(tyro.cli(Args))["interrupted"]
+        if stop > 1:  # (True: a planned pause)
+            sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)

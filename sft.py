@@ -5,12 +5,12 @@ completions given their prompts, prompt and padding tokens masked out of the los
     L(theta) = - sum_t log pi_theta(y_t | x, y_<t) / (number of completion tokens).
 
 Run (details: docs/sft.md):
-    python sft.py                                       # 100 more SFT steps on models/tiny-arith, CPU
+    python sft.py  # 100 more SFT steps on models/tiny-arith, CPU
     python sft.py --model-config models/tiny-arith-config.json --tokenizer-name-or-path data/arith/tokenizer \
         --total-steps 250 --learning-rate 2e-3 --warmup-steps 25 --eval-every 50 --final-dir models/tiny-arith
     python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/hub-dataset --dataset-split train \
         --prompt-column question --completion-column response --max-length 1024
-    torchrun --nproc-per-node 2 sft.py                  # DDP (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 sft.py  # DDP (gloo on CPU, nccl on GPU)
 
 Choices: the loss is the token mean over the whole step (micro-batches and processes: one big batch's gradient);
 --packing does not block attention between packed examples (TRL's simple packing).
@@ -43,15 +43,15 @@ from transformers.utils import logging as hf_logging
 class Args:
     # --- algorithm
     max_length: int = 64
-    """longest prompt + completion in tokens (completions are truncated to fit)"""
+    """longest prompt + completion in tokens (completions are cut to fit)"""
     packing: bool = False
     """concatenate examples into full rows of --max-length"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
+    """local folder or Hugging Face id of the causal LM and its tokenizer"""
     model_config: Optional[str] = None
-    """config JSON of a fresh, randomly initialised model to train instead"""
+    """config JSON of a fresh, random model to train instead"""
     tokenizer_name_or_path: Optional[str] = None
     """tokenizer folder or id (default: --model-name-or-path)"""
     dataset: str = "data/arith"
@@ -59,15 +59,15 @@ class Args:
     dataset_split: str = "sft"
     """split with prompts and demonstration completions"""
     eval_split: Optional[str] = "test"
-    """split with prompts and answers for greedy-decoding accuracy (None: no eval)"""
+    """split with prompts and answers for greedy accuracy (None: no eval)"""
     prompt_column: str = "prompt"
-    """column holding the prompt"""
+    """column of prompts"""
     completion_column: str = "completion"
-    """column holding the demonstration completion"""
+    """column of demonstration completions"""
     answer_column: str = "answer"
-    """column of the eval split holding the reference answer"""
+    """column of reference answers (eval split)"""
     eval_limit: int = 500
-    """evaluate on at most this many eval examples"""
+    """evaluate on at most this many examples"""
     max_new_tokens: int = 48
     """generation budget of the greedy evaluation"""
 
@@ -91,11 +91,11 @@ class Args:
 
     # --- logging / checkpointing
     log_every: int = 10
-    """steps between rows of metrics.jsonl (and printed lines off a terminal)"""
+    """steps between rows of metrics.jsonl"""
     eval_every: int = 100
-    """steps between greedy evaluations (0: only at start and end)"""
+    """steps between evaluations (0: at start and end only)"""
     save_every: int = 0
-    """steps between checkpoints (0: only at the end and on Ctrl-C)"""
+    """steps between checkpoints (0: at the end and on Ctrl-C only)"""
     save_every_minutes: float = 30.0
     """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
     resume: Optional[str] = None
@@ -105,17 +105,17 @@ class Args:
 
     # --- engineering / experiment
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """recompute activations in the backward pass"""
     fsdp: bool = False
     """under torchrun, shard weights, gradients and AdamW states (FSDP2) instead of DDP"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto: float32 weights, bfloat16 autocast on CUDA"""
+    """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
     exp_name: str = "sft"
-    """name of this experiment, part of the run directory name"""
+    """experiment name, part of the run directory's"""
     seed: int = 1
-    """seed of python, numpy and torch, and of the data order"""
+    """seed of the RNGs and the data order"""
     output_dir: str = "runs"
     """where run directories are created"""
     run_dir: Optional[str] = None
@@ -127,7 +127,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """Weights & Biases team or user"""
     run_name: tyro.conf.Suppress[str] = ""
-    """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
+    """set at run time"""
 
 # ---- the algorithm
 
@@ -147,8 +147,8 @@ def build_example(prompt_ids: list[int], completion_ids: list[int], eos_id: int,
     return ids, labels
 
 
-def pack_examples(examples: list[tuple[list[int], list[int]]], max_length: int):
-    """Concatenate the (ids, labels) pairs and cut them into rows of exactly max_length (the tail is dropped)."""
+def pack_examples(examples: list[tuple], max_length: int):
+    """The (ids, labels) pairs concatenated and cut into rows of max_length; the tail is dropped."""
     ids = [t for e, _ in examples for t in e]
     labels = [t for _, e in examples for t in e]
     starts = range(0, len(ids) - max_length + 1, max_length)
@@ -176,10 +176,10 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
     return scale * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress)
 
 
-def make_examples(tokenizer, prompts: list[str], completions: list[str], args: Args) -> list:
-    """Tokenised (ids, labels) training rows (build_example), packed or not; at least a batch of them."""
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+def make_examples(tokenizer, split, args: Args) -> list:
+    """The split's tokenised (ids, labels) training rows (build_example), packed or not; at least a batch of them."""
+    prompt_ids = tokenizer(list(split[args.prompt_column]), add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(list(split[args.completion_column]), add_special_tokens=False)["input_ids"]
     too_long = sum(len(p) >= args.max_length for p in prompt_ids)
     if too_long:  # they would have no token to learn
         raise ValueError(f"{too_long} prompts are longer than --max-length {args.max_length} - 1 tokens: raise it")
@@ -191,28 +191,32 @@ def make_examples(tokenizer, prompts: list[str], completions: list[str], args: A
     return rows
 
 
-def make_model(args: Args, vocab_size: int):
-    """A fresh model from --model-config (how models/tiny-arith is made), or --model-name-or-path's."""
+def make_model(args: Args, tokenizer, eval_prompts: list[str]):
+    """A fresh model from --model-config (how models/tiny-arith is made), or --model-name-or-path's, once its config
+    shows that the training rows and the evaluation's prompts and new tokens fit its positions."""
+    config = AutoConfig.from_pretrained(args.model_config or args.model_name_or_path)
+    if args.model_config and config.vocab_size < len(tokenizer):
+        raise ValueError(f"--model-config: vocab_size {config.vocab_size} < the tokenizer's {len(tokenizer)}")
+    check_context(config, [[]], args.max_length, "--max-length")
+    prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts]
+    check_context(config, prompt_ids, args.max_new_tokens, "--max-new-tokens")
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    if args.model_config is None:
-        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
-    if config.vocab_size < vocab_size:
-        raise ValueError(f"--model-config: vocab_size {config.vocab_size} < the tokenizer's {vocab_size}")
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if args.model_config:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
 
 
 def batch_indices(step: int, n: int, size: int, seed: int) -> list[int]:
-    """Step `step`'s global batch: epochs of a permutation seeded by seed + 1000003 epoch (neighbouring seeds share
-    none), the tail shorter than a batch skipped; a function of the step, so processes and resumes draw the same."""
+    """Step `step`'s global batch: epochs of permutations seeded by seed + 1000003 epoch (nearby seeds share none),
+    the tail skipped; a function of the step, so processes and resumes agree."""
     epoch, k = divmod(step - 1, n // size)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1_000_003 * epoch))
     return order[k * size : (k + 1) * size].tolist()
 
 
 def sft_update(model, optimizer, batch: list, micro: int, args: Args, run, pad_id: int, autocast):
-    """One optimiser step on this process's share of the global `batch`, in micro-batches of `micro`; the loss is the
-    token mean over the global batch. -> (this process's summed NLL, the global completion tokens, grad norm)."""
+    """One optimiser step on this process's share of `batch` in micro-batches of `micro`, the loss the token mean
+    over the global batch -> (this process's summed NLL, the global completion tokens, grad norm)."""
     n_tokens = sum(sum(t != -100 for t in labels[1:]) for _, labels in batch)
     accum = args.gradient_accumulation_steps
     mine = batch[run.rank * micro * accum :][: micro * accum]
@@ -230,8 +234,8 @@ def sft_update(model, optimizer, batch: list, micro: int, args: Args, run, pad_i
     return nll_sum, n_tokens, grad_norm
 
 
-RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "eval_limit", "track",
-                     "wandb_project_name", "wandb_entity", "device", "final_dir")
+RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "save_every_minutes", "eval_limit",
+                     "track", "wandb_project_name", "wandb_entity", "device", "final_dir")
 
 
 def main(args: Args) -> dict:
@@ -240,19 +244,19 @@ def main(args: Args) -> dict:
     micro = check_args(args)
     run = Run(args, overrides, shown=("train/loss", "eval/accuracy"))
 
-    # 1. Data: prompt + completion + EOS, the prompt masked out of the loss; the eval prompts and their answers.
+    # 1. Data: prompt + completion + EOS rows, the prompt masked out of the loss; the eval prompts and answers.
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path or args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     flags = "--prompt-column/--completion-column/--answer-column"
     train = load_split(args, "dataset_split", [args.prompt_column, args.completion_column], flags)
-    examples = make_examples(tokenizer, list(train[args.prompt_column]), list(train[args.completion_column]), args)
+    examples = make_examples(tokenizer, train, args)
     eval_prompts, eval_answers = [], []
     if args.eval_split:
         ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], flags)[: args.eval_limit]
         eval_prompts, eval_answers = ev[args.prompt_column], ev[args.answer_column]
 
-    # 2. Model: fresh or pretrained; under torchrun DDP's copies or FSDP2's shards (per decoder layer).
-    model = make_model(args, len(tokenizer)).to(run.device)
+    # 2. Model: fresh or pretrained, if the data fit its context; under torchrun DDP or FSDP2.
+    model = make_model(args, tokenizer, eval_prompts).to(run.device)
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -272,14 +276,14 @@ def main(args: Args) -> dict:
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     lr_anchor = run.restore(raw_model, optimizer, scheduler).get("lr_anchor")
     if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
-        old_total = overrides["total_steps"][0]
-        lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, lr_anchor))
+        lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0], args.lr_schedule,
+                                          lr_anchor))
 
     def measure() -> tuple[dict, list]:
         if not eval_prompts:
             return {}, []
         acc, samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers, args.max_new_tokens, eos_ids,
-                                       progress=run.progress)
+                                       run.progress)
         return {"eval/accuracy": acc}, samples
 
     def save() -> Path:
@@ -294,14 +298,14 @@ def main(args: Args) -> dict:
             t0 = time.perf_counter()
             # 4a. The step's global batch; each process keeps its share.
             batch = [examples[i] for i in batch_indices(step, len(examples), args.batch_size, args.seed)]
-            # 4b. One optimiser step on the completion-only loss, the token mean over the global batch.
+            # 4b. One optimiser step on the completion-only loss.
             nll_sum, n_tokens, grad_norm = sft_update(model, optimizer, batch, micro, args, run, tokenizer.pad_token_id,
                                                       autocast)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's update
             scheduler.step()
             seconds = time.perf_counter() - t0
 
-            # 4c. Log this step's loss over all processes, gradient norm, rate and throughput.
+            # 4c. Log the metrics.
             if step % args.log_every == 0 or step == args.total_steps:
                 loss = float(run.gather(torch.tensor([nll_sum], device=run.device)).sum()) / n_tokens
                 final = {"step": step, "train/loss": loss, "train/grad_norm": float(grad_norm), "train/lr": lr,
@@ -403,10 +407,8 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             ds = load_dataset("json", data_files=str(path), split="train")
         else:
             ds = load_dataset(args.dataset, split=split)
-    except Exception as e:  # the file's first bad line, else the loader's own error
-        if not file.is_file():
-            raise
-        raise ValueError(f"{file}{json_lines_problem(file, option) or f': {e}'}") from None
+    except Exception as e:  # the file's first bad line, else the loader's own error (e.g. offline), in one line
+        raise ValueError(f"{file}{file.is_file() and json_lines_problem(file, option) or f': {e}'}") from None
     missing = [c for c in columns if c not in ds.column_names]
     problem = missing and file.is_file() and json_lines_problem(file, option)  # e.g. rows that are JSON lists
     if problem:
@@ -442,23 +444,26 @@ def json_lines_problem(file: Path, option: str) -> Optional[str]:
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hugging Face Hub (one request, before any work)."""
+    """True for a local path; a hub id must be on the Hugging Face Hub, or offline a model in its cache."""
     if Path(name).expanduser().exists():
         return True
-    hint = "a local path (e.g. models/tiny-arith, data/arith) or a hub id"
+    hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
     if name.startswith((".", "/", "~")) or name.endswith((".json", ".jsonl")) or name.count("/") > 1 or Path(
             name.split("/")[0]).exists():
         raise ValueError(f"{kind} '{name}' does not exist: pass {hint}")
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "0") not in ("", "0")]
-    if offline:
-        raise ValueError(f"{kind} '{name}' is not a local path, and {offline[0]}=1 forbids the Hugging Face Hub: "
-                         f"pass a local path or unset {offline[0]}")
-    from huggingface_hub import repo_exists
+    from huggingface_hub import repo_exists, snapshot_download
 
+    get = (f"`hf download {name}`, then pass the folder it prints" if kind == "model" else "save its splits as "
+           "<split>.jsonl files in a folder and pass the folder")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        found = repo_exists(name, repo_type=kind)
-    except Exception as e:  # no network, a proxy: say so now rather than after retries
-        raise ValueError(f"{kind} '{name}': the Hugging Face Hub cannot be reached ({type(e).__name__}): pass {hint}")
+        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+            snapshot_download(name, local_files_only=True)
+        found = offline or repo_exists(name, repo_type=kind)
+    except Exception as e:  # not cached; no network, a proxy: say so now rather than after retries
+        raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
+                         f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
+                         "cache holds it, or ") + get) from None
     if not found:
         raise ValueError(f"{kind} '{name}' is not on the Hugging Face Hub (private? `hf auth login`): pass {hint}")
     return False
@@ -480,6 +485,12 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
             raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
                              f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+    if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
+    if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+        args.warmup_steps = args.total_steps // 10
     if getattr(args, "fsdp", False):
         check_fsdp(args)
 
@@ -489,14 +500,11 @@ def check_fsdp(args) -> None:
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
-        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N (one process "
-                         "per GPU), or drop --fsdp for a single process")
+        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: LoRA's few trainable weights fit on one GPU, so use "
-                         "DDP (drop --fsdp), or train the full model with --fsdp (drop --lora-r)")
+        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
-        raise ValueError(f"--resume {args.resume}: this --fsdp run's checkpoint has no sharded/ folder (its weights "
-                         f"and optimizer states, per process): pass a complete checkpoint of the run")
+        raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     if getattr(args, "model_config", None):
         config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     else:
@@ -514,15 +522,21 @@ def decoder_layers(model) -> list:
     return list(max(lists, key=len))
 
 
+def check_context(config, prompt_ids: list, new_tokens: int, flag: str) -> None:
+    """Before the model loads: the longest prompt and the tokens generated after it fit the model's positions."""
+    context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
+    if context and longest + new_tokens > context:
+        raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
+                         f"pass {flag} {context - longest} or less, or shorter prompts")
+
+
 def resume_args(args, may_change: tuple[str, ...]):
     """--resume: the run's own args; flags given here apply if in `may_change`, else are refused. -> (args, changes)"""
     if not args.resume:
         return args, {}
     if not (Path(args.resume) / "trainer_state.pt").exists():
         found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
-        where = "runs/<run>/checkpoints/step_N"
-        if found:
-            where = f"one of this run's checkpoints: {', '.join(map(str, found))}"
+        where = f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "<run>/checkpoints/step_N"
         raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
     cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
     defaults, changed = cls(), {}
@@ -530,7 +544,7 @@ def resume_args(args, may_change: tuple[str, ...]):
     out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
     for name in fields:
         given = getattr(args, name)
-        if name in ("exp_name", "output_dir", "run_name", "resume") or given in (getattr(defaults, name),
+        if name in ("exp_name", "output_dir", "run_dir", "run_name", "resume") or given in (getattr(defaults, name),
                                                                                   getattr(out, name)):
             continue
         if name not in may_change:
@@ -570,8 +584,7 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 class Run:
     """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C (the first saves after the step, a second quits); the metrics,
-    evaluation and checkpoint cadence, the progress line and the closing summary."""
+    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
@@ -592,9 +605,11 @@ class Run:
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
-        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.output_dir) / args.run_name
+            args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
+        self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
         self.start = self.step = self.steps_done = 0
-        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False
+        self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
+        self.signal, self.saved_at = 0, time.time()
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
@@ -687,6 +702,7 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
         """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
+        self.saved, self.saved_at = path, time.time()
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
@@ -743,49 +759,49 @@ class Run:
             rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
             rows = [r for r in rows if r["step"] <= self.start]
             (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the summary's start values are the run's own, from before the resume
-                self.first = {**row, **self.first}
+            for row in rows:  # the summary's start values and the progress line's last eval are the run's own
+                self.first, self.last = {**row, **self.first}, {**self.last, **row}
             saved = json.loads((self.dir / "args.json").read_text())
             saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
                                                     "overrides": self.overrides})
             (self.dir / "args.json").write_text(json.dumps(saved, indent=2))
-            for name, (old, new) in self.overrides.items():
-                print(f"resume: --{name.replace('_', '-')} {new} (the run had {old})")
+            print(f"resumed from step {self.start} of {args.total_steps} ({args.resume})" + "".join(
+                f"; --{k.replace('_', '-')} {new} (the run had {old})" for k, (old, new) in self.overrides.items()))
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
-        if args.track and self.rank == 0:
-            import wandb
-
-            try:
-                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                           config=vars(args), dir=str(self.dir), resume="allow")
-            except Exception:  # e.g. no login: wandb's own error says how to log in
-                if not args.resume:
-                    shutil.rmtree(self.dir, ignore_errors=True)
-                raise
-            self.wandb = wandb
-        self.previous = signal.signal(signal.SIGINT, self.interrupt)
+        if self.ddp:
+            self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
-        self.stop = True
+    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+        ctrl_c, self.signal = signum == signal.SIGINT, signum
+        if ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
         if self.rank == 0:
-            print(f"\nCtrl-C: finishing step {self.step}, then saving a checkpoint (Ctrl-C again to quit without "
-                  f"saving)", file=sys.stderr, flush=True)
+            print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: finishing step {self.step}, then saving a checkpoint" +
+                  " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
 
     def __exit__(self, kind, *exc):  # after a Ctrl-C, or if started with SIGINT ignored (`&`), Ctrl-C quits at once
-        quit_at_once = self.stop or self.previous == signal.SIG_IGN
-        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous)
+        quit_at_once = self.signal or self.previous[0] == signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
+        signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every, and
-        after a Ctrl-C a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
+        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
+            import wandb
+
+            args = self.args
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=str(self.dir), resume="allow")
+            self.wandb = wandb
         if self.start == 0:
             self.evaluate(measure)
         for step in range(self.start + 1, self.args.total_steps + 1):
@@ -796,15 +812,16 @@ class Run:
             self.report()
             if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
                 self.evaluate(measure)
-            if self.args.save_every and self.step % self.args.save_every == 0:
+            minutes = self.args.save_every_minutes and time.time() - self.saved_at > 60 * self.args.save_every_minutes
+            stop = max(int(self.stop), self.signal)  # (a signal during the all_reduce counts at the next step)
+            if self.ddp:  # every process stops (or saves) at the same step, even if the signal reached them apart
+                flags = torch.tensor([float(stop), float(minutes)], device=self.device)
+                dist.all_reduce(flags, dist.ReduceOp.MAX)
+                stop, minutes = int(flags[0]), bool(flags[1])
+            self.stop = stop
+            if self.stop or minutes or self.args.save_every and self.step % self.args.save_every == 0:
                 save()
-            if self.ddp:  # every process stops at the same step, even if the signal reached them apart
-                flag = torch.tensor([float(self.stop)], device=self.device)
-                dist.all_reduce(flag)
-                self.stop = bool(flag.item())
             if self.stop:
-                path = save()
-                self.say(f"interrupted: saved {path}; continue with --resume {path}")
                 return
 
     def report(self) -> None:
@@ -812,8 +829,8 @@ class Run:
         per_step = self.seconds / self.steps_done
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
-        if self.progress:
-            self.bar.set_postfix_str(f"{text} | {per_step:.2f} s/step")
+        if self.progress:  # (tqdm shows s/step)
+            self.bar.set_postfix_str(text)
         elif self.rank == 0 and self.step % self.args.log_every == 0:
             print(f"step {self.step}/{self.args.total_steps} | {text} | {per_step:.2f} s/step | ETA "
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
@@ -834,15 +851,20 @@ class Run:
                 print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
+        if self.stop:  # the last line printed
+            self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         if self.ddp:
             dist.destroy_process_group()
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags): this repository's ValueErrors as one line, not a traceback; a second Ctrl-C exits 130."""
+    """main(the flags); this repository's ValueErrors as one line, not a traceback. Exit code 0 at --total-steps,
+    128 + the signal after a saved Ctrl-C (130) or SIGTERM (143), 130 after a second Ctrl-C."""
     try:
-        main(tyro.cli(Args))
+        stop = main(tyro.cli(Args))["interrupted"]
+        if stop > 1:  # (True: a planned pause)
+            sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)

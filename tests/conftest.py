@@ -58,26 +58,28 @@ def run_torchrun(script: str, *args: str) -> str:
     return done.stdout
 
 
-def interrupt_at_step_2(cmd: list[str], times: int = 1) -> tuple[int, str]:
-    """Run a training script, send SIGINT (like Ctrl-C) `times` times once it logs step 2, and return its exit
-    code and the output after that line."""
+def interrupt_at_step_2(cmd: list[str], times: int = 1, sig: int = 2, pid=None, **popen) -> tuple[int, str]:
+    """Run a training script, send signal `sig` (2: SIGINT, like Ctrl-C) `times` times once it logs step 2 (to the
+    process whose pid `pid(proc)` gives, by default the script's), and return its exit code and the output after
+    that line."""
     import signal
     import subprocess
 
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **popen.pop("env", {})}, **popen)
     try:
         for line in proc.stdout:  # wait until training is under way (the compact progress line, or a metrics line)
             if line.startswith(("step 2/", "step=2 ")):
                 break
-        proc.send_signal(signal.SIGINT)
+        target = pid(proc) if pid else proc.pid
+        os.kill(target, sig)
         seen = ""
         if times == 2:  # the second once the first is acknowledged
             for line in proc.stdout:
                 seen += line
                 if line.startswith("Ctrl-C: finishing step"):
                     break
-            proc.send_signal(signal.SIGINT)
+            os.kill(target, signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
         rest = seen + rest
     finally:
@@ -85,15 +87,16 @@ def interrupt_at_step_2(cmd: list[str], times: int = 1) -> tuple[int, str]:
     return proc.returncode, rest
 
 
-def interrupted_run(cmd: list[str], tmp_path) -> tuple:
-    """Run a training script in tmp_path, Ctrl-C it once at step 2, check that it exits cleanly having saved one
-    checkpoint, and return (run directory, checkpoint folder)."""
-    returncode, rest = interrupt_at_step_2(cmd)
-    assert returncode == 0, rest
-    assert "interrupted: saved" in rest
+def interrupted_run(cmd: list[str], tmp_path, sig: int = 2) -> tuple:
+    """Run a training script in tmp_path, stop it with `sig` (Ctrl-C's SIGINT, or SIGTERM) once at step 2, check that
+    it exits with 128 + sig having saved one checkpoint and printed the resume command last; -> (run directory,
+    checkpoint folder, output)."""
+    returncode, rest = interrupt_at_step_2(cmd, sig=sig)
+    assert returncode == 128 + sig, rest
     (run,) = Path(tmp_path).iterdir()
     (ckpt,) = (run / "checkpoints").iterdir()
-    return run, ckpt
+    assert rest.rstrip().splitlines()[-1] == f"interrupted: saved {ckpt}; continue with --resume {ckpt}", rest
+    return run, ckpt, rest
 
 
 @pytest.fixture(scope="module")

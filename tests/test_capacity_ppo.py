@@ -2,6 +2,8 @@
 environment, a learning run, checkpoints (save, load, exact resume after Ctrl-C) and bad input."""
 import json
 import math
+import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -276,30 +278,56 @@ def test_target_kl_stops_the_epochs_early(tmp_path):
         assert all(r["charts/learning_rate"] == 1e-3 for r in rows)  # --no-anneal-lr keeps it constant
 
 
-def test_ctrl_c_saves_a_checkpoint_and_resume_is_exact(tmp_path, monkeypatch):
+def command_line(argv: list[str]) -> int:
+    """capacity_ppo.py's command line in this process -> its exit status."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sys, "argv", ["capacity_ppo.py", *argv])
+        try:
+            cp.command_line(cp.Args, cp.main)
+        except SystemExit as exit:
+            return exit.code
+    return 0
+
+
+def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_resume_is_exact(tmp_path, monkeypatch, capsys):
     straight = cp.main(tiny_args(tmp_path, exp_name="straight"))
-
-    calls = {"n": 0}
     real_gae = cp.compute_gae
+    tiny_flags = [s for k, v in TINY.items() for s in (f"--{k.replace('_', '-')}", str(v))]
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        calls = {"n": 0}
 
-    def interrupt_on_third_call(*a, **kw):  # Ctrl-C during the third iteration
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_gae(*a, **kw)
+        def signal_on_third_call(*a, **kw):  # the signal arrives during the third iteration
+            calls["n"] += 1
+            if calls["n"] == 3:
+                signal.raise_signal(sig)
+            return real_gae(*a, **kw)
 
-    monkeypatch.setattr(cp, "compute_gae", interrupt_on_third_call)
-    interrupted = cp.main(tiny_args(tmp_path, exp_name="interrupted"))
+        monkeypatch.setattr(cp, "compute_gae", signal_on_third_call)
+        assert command_line(["--output-dir", str(tmp_path / sig.name), *tiny_flags]) == 128 + sig  # 130, 143
+        (saved[sig],) = (tmp_path / sig.name).glob("*/checkpoints/*")  # the state after two iterations
+        assert saved[sig].name == "step_256"
+        last = capsys.readouterr().out.splitlines()[-1]
+        assert last == f"interrupted: saved {saved[sig]}; continue with --resume {saved[sig]}"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # main restores the handler it replaced
+
     monkeypatch.setattr(cp, "compute_gae", real_gae)
-    assert interrupted["step"] == 256 and interrupted["checkpoint"].endswith("step_256")
-
-    resumed = cp.main(cp.Args(resume=interrupted["checkpoint"]))  # the run's own (tiny) arguments come back
-    run_dir = Path(interrupted["run_dir"]).resolve()
-    assert Path(resumed["run_dir"]).resolve() == run_dir and resumed["step"] == straight["step"] == 512
-    a, b = cp.load_agent(straight["checkpoint"]), cp.load_agent(resumed["checkpoint"])
-    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+    assert command_line(["--resume", str(saved[signal.SIGTERM])]) == 0  # the run's own (tiny) arguments come back
+    assert f"resumed from step 256 of 512 ({saved[signal.SIGTERM]})" in capsys.readouterr().out
+    run_dir = saved[signal.SIGTERM].parents[1]
+    resumed = cp.load_agent(run_dir / "checkpoints" / "step_512")
+    for (name, x), y in zip(cp.load_agent(straight["checkpoint"]).state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(x, y), name
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 128, 256, 384, 512]
+    for x, y in zip(*(cp.load_agent(saved[s]).state_dict().values() for s in saved)):
+        assert torch.equal(x, y)  # either signal saves the same state
+
+
+def test_ctrl_c_while_saving_quits_at_once_with_130(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cp, "save_checkpoint", lambda *a: signal.raise_signal(signal.SIGINT))
+    assert command_line(["--output-dir", str(tmp_path), "--num-envs", "8", "--num-steps", "16", "--total-steps", "128",
+                         "--num-eval-envs", "4", "--hidden-size", "8", "--head-size", "8"]) == 130
+    assert "quit without saving" in capsys.readouterr().err
 
 
 def test_track_logs_to_wandb_offline(tmp_path, monkeypatch):

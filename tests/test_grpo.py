@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, train_rows
+from conftest import read_metrics, short_gpt2, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig, GPT2Config
 
@@ -404,7 +404,7 @@ def test_a_run_samples_with_the_static_backend(tiny, tmp_path):  # shared, the d
     assert math.isfinite(out["train/loss"]) and out["train/sampler_gap"] < 1e-4  # the start check passed, far inside
 
 
-def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
+def test_few_step_run_writes_the_run_directory(tiny, tmp_path, capsys):
     out = grpo.main(tiny_args(tiny, tmp_path / "runs", total_steps=3, save_every=2, micro_batch_size=2, loss_type="dapo",
                               dynamic_sampling=True, mask_truncated_completions=True, track=True, warmup_steps=2))
     run = Path(out["run_dir"])
@@ -426,6 +426,8 @@ def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
     AutoModelForCausalLM.from_pretrained(run / "final")
     AutoTokenizer.from_pretrained(run / "final")
     assert list((run / "wandb").rglob("*.wandb"))  # --track: the offline W&B run (conftest) is in the run directory
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and not any(" kl " in line for line in lines)  # beta = 0: no KL, so none shown
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
@@ -444,10 +446,12 @@ def test_ratio_moves_only_after_the_first_update(tiny, tmp_path, num_iterations,
 
 
 @pytest.mark.parametrize("kl_estimator,lora_r", [("k1", 0), ("k2", 0), ("k3", 0), ("k3", 4)])
-def test_reference_kl_starts_at_zero_and_grows(tiny, tmp_path, kl_estimator, lora_r):
+def test_reference_kl_starts_at_zero_and_grows(tiny, tmp_path, capsys, kl_estimator, lora_r):
     out = grpo.main(tiny_args(tiny, tmp_path, beta=0.04, kl_estimator=kl_estimator, lora_r=lora_r, eval_split=None,
                               learning_rate=1e-2 if lora_r == 0 else 5e-2))
     kl = [r["train/kl"] for r in train_rows(out["run_dir"])]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all(f" kl {k:.3g} " in line for k, line in zip(kl, lines))  # the progress line shows it
     assert kl[0] == 0.0  # the policy starts as the reference (LoRA: the base model with adapters off)
     assert kl[1] != 0.0 if kl_estimator == "k1" else kl[1] > 1e-7
     if lora_r:
@@ -506,6 +510,24 @@ def test_lr_factor_anchor_continues_the_decay():
     assert grpo.lr_factor(13, 2, 20, "cosine", (6, f6)) == pytest.approx(f6 * 0.5)
     assert grpo.lr_factor(20, 2, 20, "cosine", (6, f6)) == pytest.approx(0.0)
     assert grpo.lr_factor(1, 2, 20, "cosine", (1, 1.0)) == 1.0  # an anchor inside warmup changes nothing
+
+
+def test_prompts_and_completions_must_fit_the_context(tiny, tmp_path):
+    """Every prompt generation sees (training prompts as --max-prompt-length keeps them, eval prompts whole) plus
+    --max-completion-length must fit the model's positions: one short is refused before any work; at the limit a
+    run completes."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"prompt": "1+2+3+4+5+6+7=", "answer": "28"}\n' * 4)  # kept: its last 4 tokens
+    (data / "test.jsonl").write_text('{"prompt": "12+34=", "answer": "46"}\n')  # the longest prompt
+    longest = len(AutoTokenizer.from_pretrained(tiny / "model")("12+34=", add_special_tokens=False).input_ids)
+    kw = {"dataset": str(data), "max_prompt_length": 4, "total_steps": 1}
+    with pytest.raises(ValueError, match=rf"a {longest}-token prompt and --max-completion-length 8 exceed the model's "
+                                         rf"{longest + 7} positions"):
+        grpo.main(tiny_args(tiny, tmp_path / "a", model_name_or_path=short_gpt2(tmp_path / "short", longest + 7), **kw))
+    assert not (tmp_path / "a").exists()
+    out = grpo.main(tiny_args(tiny, tmp_path / "b", model_name_or_path=short_gpt2(tmp_path / "fits", longest + 8), **kw))
+    assert out["step"] == 1 and "eval/accuracy" in out
 
 
 def test_learning_raises_the_reward(tiny, tmp_path):
@@ -624,6 +646,8 @@ def test_completion_logprobs_are_of_the_models_own_logits_whatever_its_head(name
     want = torch.log_softmax(logits / 0.7, dim=-1)[:, 3:-1].gather(-1, ids[:, 4:, None])[..., 0]
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     assert (plain - want).abs().max() > 1e-2  # the plain matmul would be wrong for this model
+    # new tensors, not views (of the kernel's flat rows): FSDP2 warns that its backward hook on a view is fragile
+    assert got._base is None and all(x._base is None for x in grpo.completion_logprobs(model, ids, mask, 4, 0.7, True))
 
 
 def test_variants_benchmark_runs_and_tabulates(tmp_path):

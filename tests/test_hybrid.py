@@ -198,7 +198,7 @@ def test_ppo_math_is_ppo_py_s_verbatim():
     import inspect
 
     import ppo
-    for name in ("masked_mean", "masked_whiten", "penalise_missing_eos", "per_token_rewards", "gae", "value_loss",
+    for name in ("masked_mean", "masked_whiten", "per_token_rewards", "gae", "value_loss",
                  "KLController", "explained_variance", "completion_mask", "completion_logprobs",
                  "length_sorted_micro_batches", "left_pad", "prompt_texts", "rl_prompts", "eval_prompts_and_answers",
                  "DataOrder", "ppo_rollout", "ppo_reference_logprobs", "ppo_micro_batches", "old_logprobs_and_values",

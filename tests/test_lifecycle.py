@@ -83,7 +83,7 @@ def test_resume_takes_cadence_flags_and_refuses_the_rest(tiny, tmp_path, script)
     ckpt = str(run / "checkpoints" / "step_1")
     with pytest.raises(ValueError, match=r"--learning-rate 0.5 differs from the run's .*cannot change on resume"):
         m.main(m.Args(resume=ckpt, learning_rate=0.5))
-    with pytest.raises(ValueError, match=r"no trainer_state.pt there; pass runs/<run>/checkpoints/step_N"):
+    with pytest.raises(ValueError, match=r"no trainer_state.pt there; pass <run>/checkpoints/step_N"):
         m.main(m.Args(resume=str(tmp_path)))
     with pytest.raises(ValueError, match=rf"pass one of this run's checkpoints: {run}/checkpoints/step_1, {run}/check"):
         m.main(m.Args(resume=str(run)))  # the run folder: its checkpoints are listed
@@ -102,7 +102,7 @@ def test_resume_takes_cadence_flags_and_refuses_the_rest(tiny, tmp_path, script)
 # the resume tests. Two scripts: one sampling, one not.
 @pytest.mark.parametrize("script", ["grpo", "dpo"])
 def test_ctrl_c_saves_a_checkpoint_and_a_second_quits_at_once(tiny, tmp_path, script):
-    run, ckpt = interrupted_run(cli(script, tiny, tmp_path / "a", total_steps=100000, eval_split=None), tmp_path / "a")
+    run, ckpt, _ = interrupted_run(cli(script, tiny, tmp_path / "a", total_steps=100000, eval_split=None), tmp_path / "a")
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     assert ckpt.name == f"step_{state['step']}" and state["step"] >= 2 and not (run / "final").exists()
     assert train_rows(run)[-1]["step"] == state["step"]
@@ -110,6 +110,57 @@ def test_ctrl_c_saves_a_checkpoint_and_a_second_quits_at_once(tiny, tmp_path, sc
     assert returncode == 130, rest
     assert "Ctrl-C: finishing step" in rest and "interrupted again: quit without saving" in rest
     assert "Traceback" not in rest
+
+
+def test_sigterm_saves_like_ctrl_c_and_the_resumed_run_equals_a_straight_one(tiny, tmp_path):
+    """SLURM and Kubernetes preempt a job with SIGTERM: the step ends, a checkpoint is written, the exit code is 143
+    and the resume command is the last line. Resumed for two more steps (exit code 0), it says where it resumed, its
+    progress line keeps the last evaluation, and it equals a straight run of as many steps."""
+    import signal
+    import subprocess
+
+    flags = dict(total_steps=100000, lr_schedule="constant", log_every=1)
+    run, ckpt, _ = interrupted_run(cli("grpo", tiny, tmp_path / "a", **flags), tmp_path / "a", signal.SIGTERM)
+    step = int(ckpt.name.split("_")[1])
+    done = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--resume", str(ckpt), "--total-steps",
+                           str(step + 2)], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from step {step} of {step + 2} ({ckpt}); --total-steps {step + 2} (the run had 100000)" in done.stdout
+    first_line = next(line for line in done.stdout.splitlines() if line.startswith(f"step {step + 1}/"))
+    assert "| accuracy 0 |" in first_line, done.stdout  # the step-0 evaluation, from before the SIGTERM
+    straight = module("grpo").main(tiny_args("grpo", tiny, tmp_path / "b", **{**flags, "total_steps": step + 2}))
+    a, b = train_rows(straight["run_dir"])[step:], train_rows(run)[step:]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [step + 1, step + 2]
+    for x, y in zip(a, b):
+        assert all(y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6) for k in x if not k.startswith("perf/")), (x, y)
+
+
+def test_sigterm_reaching_one_torchrun_process_stops_both_at_the_same_step(tiny, tmp_path):
+    """torchrun, 2 gloo processes: SIGTERM sent to rank 1 alone stops both after the same step, with one checkpoint
+    holding both processes' states; the run says how many processes and which parallelism."""
+    import signal
+
+    def rank_1(proc) -> int:  # torchrun's worker process whose environment has RANK=1
+        for _ in range(100):
+            for d in (d for d in Path("/proc").iterdir() if d.name.isdigit()):
+                try:
+                    if f"PPid:\t{proc.pid}\n" in (d / "status").read_text() and "RANK=1" in (
+                            d / "environ").read_bytes().decode(errors="replace").split("\0"):
+                        return int(d.name)
+                except OSError:
+                    pass
+        raise AssertionError("no rank 1 process")
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "grpo.py"), *cli("grpo", tiny, tmp_path, total_steps=100000, eval_split=None, log_every=1)[2:]]
+    returncode, rest = interrupt_at_step_2(cmd, sig=signal.SIGTERM, pid=rank_1, env={"OMP_NUM_THREADS": "1"})
+    assert returncode != 0, rest  # the processes exit 143, which torchrun reports as a failure
+    (run,) = tmp_path.iterdir()
+    (ckpt,) = (run / "checkpoints").iterdir()
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    assert state["step"] >= 2 and ckpt.name == f"step_{state['step']}" and train_rows(run)[-1]["step"] == state["step"]
+    assert len(state["per_rank"]["torch_rng"]) == 2  # both processes' RNGs: both were at the same step
+    assert f"interrupted: saved {ckpt}; continue with --resume {ckpt}" in rest
 
 
 def _name_the_run(rank: int, port: int, names):
@@ -149,7 +200,8 @@ def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny,
     process's does: test_resume_equals_straight_run.)"""
     for parallel in ("ddp", "fsdp"):
         flags = cli(script, tiny, tmp_path / parallel, total_steps=3, eval_split=None, save_every=2)[2:]
-        run_torchrun(f"{script}.py", *flags, *(["--fsdp"] if parallel == "fsdp" else []))
+        out = run_torchrun(f"{script}.py", *flags, *(["--fsdp"] if parallel == "fsdp" else []))
+        assert f"2 processes, {'FSDP2' if parallel == 'fsdp' else 'DDP'}" in out
     (ddp,), (fsdp,) = (tmp_path / "ddp").iterdir(), (tmp_path / "fsdp").iterdir()
     straight = train_rows(fsdp)
     for a, b in zip(train_rows(ddp), straight, strict=True):
@@ -167,7 +219,7 @@ def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny,
     incomplete = fsdp / "checkpoints" / "step_1"
     shutil.copytree(fsdp / "checkpoints" / "step_2", incomplete, ignore=shutil.ignore_patterns("sharded"))
     monkeypatch.setenv("LOCAL_RANK", "0")
-    with pytest.raises(ValueError, match="this --fsdp run's checkpoint has no sharded/ folder"):
+    with pytest.raises(ValueError, match="an --fsdp run.s checkpoint has a sharded/ folder; this has none"):
         module(script).main(module(script).Args(resume=str(incomplete)))
 
 
@@ -192,21 +244,46 @@ def test_fsdp_benchmark_commands_run_on_cpu():
 
 
 def test_the_end_of_a_run_says_what_it_reached_and_where_final_is(tiny, tmp_path, capsys):
-    out = module("grpo").main(tiny_args("grpo", tiny, tmp_path))
+    """Also: --run-dir is the run directory, and a second run may not reuse it; a warmup as long as the run is cut to
+    a tenth of it, with a notice; --save-every-minutes saves once that much time has passed since the last save."""
+    fixed = tmp_path / "fixed"
+    args = tiny_args("grpo", tiny, tmp_path / "out", run_dir=str(fixed), warmup_steps=30, save_every_minutes=1e-9)
+    out = module("grpo").main(args)
     printed = capsys.readouterr().out
-    assert f"final model: {out['run_dir']}/final" in printed
+    assert out["run_dir"] == str(fixed) and not (tmp_path / "out").exists()
+    assert f"final model: {fixed}/final" in printed
     assert "eval/accuracy 0 -> " in printed and "eval at step 0: eval/accuracy" in printed
+    assert "--warmup-steps 30 >= --total-steps: warming up for 0" in printed
+    assert json.loads((fixed / "args.json").read_text())["warmup_steps"] == 0
+    assert train_rows(fixed)[0]["train/lr"] == pytest.approx(args.learning_rate)  # no warmup: the full rate at once
+    assert sorted(p.name for p in (fixed / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    with pytest.raises(ValueError, match=f"--run-dir {fixed} exists: pass a new one"):
+        module("grpo").main(args)
+
+
+def test_the_progress_bar_shows_one_s_per_step_its_own(tiny, tmp_path):
+    import io
+
+    from tqdm import tqdm
+
+    run = module("grpo").Run(tiny_args("grpo", tiny, tmp_path), {}, ("train/reward", "eval/accuracy"))
+    run.progress, run.bar = True, tqdm(total=2, file=io.StringIO(), unit="step")
+    run.last, run.steps_done, run.seconds, run.step = {"train/reward": 0.5, "eval/accuracy": 0.25}, 1, 2.0, 1
+    run.report()
+    assert run.bar.postfix == "reward 0.5 | accuracy 0.25"
 
 
 BAD = [
     ({"device": "cuda"}, "torch sees no CUDA GPU"),
     ({"device": "tpu"}, "--device tpu: use auto, cpu, cuda or cuda:N"),
-    ({"model_name_or_path": "models/nope"}, "model 'models/nope' does not exist"),
+    ({"model_name_or_path": "models/nope"}, "model 'models/nope' does not exist: pass a local folder or a hub id, "
+                                            "e.g. models/tiny-arith"),
     ({"model_name_or_path": "data"}, "'data' is not a model folder: it has no config.json"),
-    ({"dataset": "data/nope"}, "dataset 'data/nope' does not exist"),
+    ({"dataset": "data/nope"}, "dataset 'data/nope' does not exist: pass a local folder or a hub id, e.g. data/arith"),
     ({"dataset": "nope.jsonl"}, "dataset 'nope.jsonl' does not exist"),
-    ({"dataset": "someone/some-dataset"}, "HF_HUB_OFFLINE=1 forbids the Hugging Face Hub"),
-    ({"model_name_or_path": "someone/some-model"}, "HF_HUB_OFFLINE=1 forbids the Hugging Face Hub"),
+    ({"dataset": "someone/some-dataset"}, "someone/some-dataset: Couldn't reach 'someone/some-dataset' on the Hub"),
+    ({"model_name_or_path": "someone/some-model"}, "model 'someone/some-model': not in the Hugging Face cache "
+                                                   "(HF_HUB_OFFLINE=1): `hf download someone/some-model`, then pass"),
     ({"total_steps": 0}, "--total-steps must be positive, got 0"),
     ({"learning_rate": -1.0}, "--learning-rate must be positive"),
     ({"save_every": -1}, "--save-every must be >= 0"),
@@ -322,6 +399,20 @@ def test_an_eval_split_without_the_columns_names_the_column_flags_and_none(tiny,
     with pytest.raises(ValueError, match=r"split 'test' has no column \['answer'\].* or skip this split with "
                                          r"--eval-split None\)"):
         module("grpo").main(tiny_args("grpo", tiny, tmp_path / "out", dataset=str(data)))
+
+
+def test_a_hub_id_without_a_network_says_how_to_download_it_or_use_the_cache(tiny, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("no route to host")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "repo_exists", unreachable)
+    with pytest.raises(ValueError, match=r"model 'someone/some-model': the Hugging Face Hub cannot be reached "
+                                         r"\(ConnectionError\): set HF_HUB_OFFLINE=1 if the cache holds it, or `hf "
+                                         r"download someone/some-model`, then pass the folder it prints"):
+        module("grpo").main(tiny_args("grpo", tiny, tmp_path, model_name_or_path="someone/some-model"))
 
 
 def test_bad_input_on_the_command_line_is_one_line_not_a_traceback(tiny, tmp_path):

@@ -52,16 +52,14 @@ def test_gae_against_float64_double_loop(gamma, lam):
     assert adv[1, 0].item() == pytest.approx(1.0)
 
 
-def test_per_token_rewards_layout_and_missing_eos_penalty():
+def test_per_token_rewards_layout():
     kl = torch.tensor([[0.5, -0.1, 0.2, 7], [0.3, 7, 7, 7], [0.0, 0.4, 0.1, 0.2]])
-    scores = ppo.penalise_missing_eos(torch.tensor([1.0, -0.5, 2.0]), torch.tensor([False, False, True]), 0.5)
-    assert scores.tolist() == [1.0, -0.5, 1.5]
+    scores = torch.tensor([1.0, -0.5, 1.5])
     rewards = ppo.per_token_rewards(scores, kl, MASK, kl_coef=0.1)
     want = [[-0.05, 0.01, -0.02 + 1.0, 0.0],  # -beta KL at each real token, the score on the last one
             [-0.03 - 0.5, 0.0, 0.0, 0.0],
             [0.0, -0.04, -0.01, -0.02 + 1.5]]
     assert torch.allclose(rewards, torch.tensor(want), atol=1e-7)
-    assert ppo.penalise_missing_eos(scores, torch.tensor([True, True, False]), 0.0).tolist() == scores.tolist()
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -130,8 +128,8 @@ def test_explained_variance_hand_computed():
 
 def test_compute_advantages_kl_is_of_pi_old_from_the_reference():
     """The per-token KL is KL(pi_old || pi_ref) estimated from pi_old's samples: log pi_old = -1, log pi_ref = -2
-    gives k1 = 1 and k3 = e^-1 (the arguments swapped: -1 and e - 2). Rewards, GAE and whitening follow the pure
-    functions; beta = 0 has no KL at all."""
+    gives k1 = 1 and k3 = e^-1 (the arguments swapped: -1 and e - 2). The score 2 of a completion without EOS loses
+    --missing-eos-penalty 0.5. Rewards, GAE and whitening follow the pure functions; beta = 0 has no KL at all."""
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     batch = {"completion_mask": mask, "old_logp": torch.tensor([[-1.0, -1.0, -5.0]]),
              "ref_logp": torch.tensor([[-2.0, -2.0, -0.1]]), "old_values": torch.tensor([[0.5, 0.25, 3.0]]),
@@ -146,6 +144,9 @@ def test_compute_advantages_kl_is_of_pi_old_from_the_reference():
         advantages, returns = ppo.gae(rewards, batch["old_values"], mask, args.gamma, args.lam)
         assert torch.equal(out["advantages"], advantages) and torch.equal(out["returns"], returns)
     assert ppo.compute_advantages(batch, 0.1, replace(args, beta=0.0))["kl"].eq(0).all()
+    assert ppo.compute_advantages(batch, 0.1, replace(args, missing_eos_penalty=0.0))["scores"].tolist() == [2.0]
+    with_eos = {**batch, "truncated": torch.tensor([False])}
+    assert ppo.compute_advantages(with_eos, 0.1, args)["scores"].tolist() == [2.0]
 
 
 # ----------------------------------------------------------------------------- runs
