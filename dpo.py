@@ -212,7 +212,7 @@ def packed_logprobs(model, input_ids, allowed, position_ids, columns, targets, o
     mask = allowed[:, None]
     if model.config._attn_implementation != "sdpa":  # eager attention adds its mask to the logits
         dtype = model.get_output_embeddings().weight.dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        mask = torch.zeros_like(mask, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
     logp = linear_token_logprobs(hidden.flatten(0, 1)[columns], targets=targets, **lm_head(model, hidden.dtype))
@@ -281,29 +281,23 @@ def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
 
 
 @torch.no_grad()
-def check_packing(model, forward: Callable[[bool], torch.Tensor]) -> Optional[str]:
-    """forward(packed) of a few pairs, packed against plain, in eval mode -> why this model cannot use packing (e.g.
-    an attention that ignores custom 4D masks), or None."""
+def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
+    """--pack-pairs, unless forward(packed) of a few pairs, packed against plain in eval mode, shows the model cannot
+    use it (e.g. an attention that ignores custom 4D masks): then rows of their own, with a notice saying why."""
+    if not run.args.pack_pairs:
+        return False
     was_training = model.training
     model.eval()
     try:
         plain, packed = forward(False), forward(True)
+        tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+        diff = float((packed - plain).abs().max())
+        why_not = None if diff <= tol * (1 + float(plain.abs().max())) else (
+            f"its packed results differ from its plain ones by {diff:.3g} (attention ignores the custom mask?)")
     except Exception as e:  # noqa: BLE001
-        return f"its packed forward fails ({type(e).__name__}: {e})"
+        why_not = f"its packed forward fails ({type(e).__name__}: {e})"
     finally:
         model.train(was_training)
-    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    diff = float((packed - plain).abs().max())
-    if not diff <= tol * (1 + float(plain.abs().max())):
-        return f"its packed results differ from its plain ones by {diff:.3g} (attention ignores the custom mask?)"
-    return None
-
-
-def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
-    """--pack-pairs, unless the model fails `check_packing` (then rows of their own, with a notice)."""
-    if not run.args.pack_pairs:
-        return False
-    why_not = check_packing(model, forward)
     if why_not:
         run.say(f"--pack-pairs: chosen and rejected in rows of their own, as {why_not}")
     return why_not is None

@@ -182,7 +182,7 @@ class Args:
 # ---- the algorithm
 
 
-def group_advantages(rewards: torch.Tensor, scale: str, baseline: str = "mean") -> torch.Tensor:
+def group_advantages(rewards, scale: str, baseline: str = "mean"):
     """rewards [P, G] -> advantages [P, G] float32: r_i - mean(group) (Sec. 4.1.2), times G / (G - 1) for the mean
     of the other G - 1 (RLOO, arXiv:2402.14740), over std(group) + 1e-4, std(batch) + 1e-4 or (none, Dr.GRPO) 1.
     A group whose rewards are all equal gets exactly 0."""
@@ -197,8 +197,8 @@ def group_advantages(rewards: torch.Tensor, scale: str, baseline: str = "mean") 
     return advantages.masked_fill(~informative_groups(rewards)[:, None], 0.0)
 
 
-def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """rewards: [P, G] -> [P] bool, True where the group's rewards are not all equal (DAPO Sec. 3.2)."""
+def informative_groups(rewards):
+    """rewards: [P, G] -> [P] bool: the group's rewards are not all equal (DAPO Sec. 3.2)."""
     return rewards.amax(dim=1) > rewards.amin(dim=1)
 
 
@@ -210,8 +210,8 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tupl
     return (eos_before == 0).float(), ~is_eos.any(dim=1)
 
 
-def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, *, num_sequences: int,
-                   num_tokens: int, max_completion_length: int, local_tokens: int = 0, world: int = 1) -> torch.Tensor:
+def aggregate_loss(per_token_loss, mask, loss_type: str, *, num_sequences: int, num_tokens: int,
+                   max_completion_length: int, local_tokens: int = 0, world: int = 1):
     """per_token_loss, mask: [B, T] -> this micro-batch's share of the step's loss:
         grpo     mean over sequences of each one's token mean  (the 1/|o_i| of Eq. 3)
         bnpo     mean over processes of each one's token mean (local_tokens: TRL's normaliser)
@@ -227,7 +227,7 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: 
     return masked.sum() / max(num_tokens, 1)
 
 
-def policy_loss(logp, old_logp, advantages, mask, ref_logp, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_loss(logp, old_logp, advantages, mask, ref_logp, args):
     """logp, old_logp, mask, ref_logp (None: beta = 0): [B, T]; advantages: [B, 1] -> per token (loss, kl, clipped:
     1 where the clip zeroes the gradient or cispo caps the weight). The ratio x (sg: no gradient) is per
         token           x_it = pi(o_it) / pi_old(o_it)              GRPO, Eq. 3 of arXiv:2402.03300
@@ -261,7 +261,7 @@ def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torc
     return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
 
 
-def high_entropy_tokens(entropy: list[torch.Tensor], masks: list[torch.Tensor], rho: float) -> list[torch.Tensor]:
+def high_entropy_tokens(entropy: list, masks: list, rho: float) -> list:
     """entropy, masks: [B_k, T_k] per micro-batch -> [B_k, T_k] bool: entropy >= the (1 - rho)-quantile of all loss
     tokens' (arXiv:2506.01939)."""
     pooled = torch.cat([h[m > 0] for h, m in zip(entropy, masks)]).float()
@@ -331,8 +331,7 @@ def concat_rollouts(batches: list[dict], pad_id: int, rows: Optional[list[int]] 
     return out
 
 
-def dynamic_sampling(draw: Callable[[int], dict], num_groups: int, group_size: int, max_rounds: int,
-                     pad_id: int) -> tuple[dict, dict]:
+def dynamic_sampling(draw, num_groups: int, group_size: int, max_rounds: int, pad_id: int) -> tuple[dict, dict]:
     """DAPO dynamic sampling (arXiv:2503.14476, Sec. 3.2): draw(n) samples n groups; draws go on (at most max_rounds
     more) until num_groups have rewards that differ, short of which zero-advantage groups fill the batch."""
     batches, n_kept = [], 0
@@ -384,8 +383,7 @@ class DataOrder:
 
 
 @torch.no_grad()
-def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: str, eos_ids, reward, autocast,
-            timing: dict) -> dict:
+def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, eos_ids, reward, autocast, timing):
     """Steps 1-2 of Algorithm 1 (arXiv:2402.03300) for the prompts `rows` of data (load_prompts): sample and score."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
@@ -405,7 +403,7 @@ def rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: 
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
 
-def micro_batches(batch: dict, advantages: torch.Tensor, mask: torch.Tensor, size: int, skip_zero: bool) -> list[dict]:
+def micro_batches(batch: dict, advantages, mask, size: int, skip_zero: bool) -> list[dict]:
     """The batch in length-sorted micro-batches of `size` rows, each trimmed to its widest prompt and completion;
     skip_zero: less the rows of advantage 0 (at beta = 0 their gradient is 0), but at least one, so that DDP syncs."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -424,13 +422,13 @@ def micro_batches(batch: dict, advantages: torch.Tensor, mask: torch.Tensor, siz
     return out
 
 
-def logprobs_without_adapters(model, *inputs) -> torch.Tensor:
+def logprobs_without_adapters(model, *inputs):
     """The frozen reference of a LoRA policy: the policy with its adapters off."""
     with model.disable_adapter():
         return completion_logprobs(model, *inputs)
 
 
-def old_policy_terms(mb: dict, old_logp: torch.Tensor, args, reference, sums: dict) -> None:
+def old_policy_terms(mb: dict, old_logp, args, reference, sums: dict):
     """With pi_old's log-probs (the first update's: no weight has moved yet), micro-batch mb's sampler gap, TIS
     weights and (beta > 0) reference log-probs."""
     mb["old_logp"] = old_logp
@@ -443,8 +441,7 @@ def old_policy_terms(mb: dict, old_logp: torch.Tensor, args, reference, sums: di
             mb["ref_logp"] = reference(*mb["inputs"], args.temperature)
 
 
-def grpo_update(policy, optimizer, chunks: list[dict], args, reference, tokens: tuple[int, int], world: int,
-                autocast) -> dict:
+def grpo_update(policy, optimizer, chunks: list[dict], args, reference, tokens: tuple, world: int, autocast) -> dict:
     """mu AdamW updates on one batch: policy_loss per token, aggregated per --loss-type. tokens: the step's loss tokens
     (all processes, this one's) -> the sums grpo_metrics reads."""
     sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "tis_capped"), 0.0)
@@ -481,13 +478,12 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference, tokens: 
     return sums
 
 
-def grpo_metrics(run, args, sums: dict, batch: dict, rewards: torch.Tensor, timing: dict, steps: int) -> dict:
+def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, steps: int) -> dict:
     """The step's metrics over all processes; perf/ over the `steps` since the last log row."""
     lengths = batch["completion_mask"].sum(dim=1)
     totals = {**sums, "length": float(lengths.sum()), "truncated": float(batch["truncated"].sum()),
               "sequences": len(lengths)}
-    values = run.gather(torch.tensor([list(totals.values())], device=rewards.device)).sum(dim=0)
-    t = dict(zip(totals, values.tolist()))
+    t = dict(zip(totals, run.gather(torch.tensor([list(totals.values())], device=rewards.device)).sum(0).tolist()))
     n_tok = max(t["tokens"], 1)
     return {"train/loss": t["loss"] / args.num_iterations, "train/reward": float(rewards.mean()),
             "train/reward_std": float(rewards.std(dim=1).mean()),
@@ -503,7 +499,7 @@ def grpo_metrics(run, args, sums: dict, batch: dict, rewards: torch.Tensor, timi
             **{f"perf/{k}_s": timing[k] / steps for k in ("step", "generate", "score", "train")}}
 
 
-def load_prompts(args, tokenizer, reward) -> tuple[dict, list, list]:
+def load_prompts(args, tokenizer, reward):
     """The training prompts, tokenised, with the columns the reward needs, and the eval split, read (so checked)
     before the model loads -> (data, eval prompts, eval answers)."""
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
@@ -518,7 +514,7 @@ def load_prompts(args, tokenizer, reward) -> tuple[dict, list, list]:
     if not args.eval_split:
         return data, [], []
     ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
-    n = min(len(ev), args.eval_limit)
+    n = args.eval_limit
     eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
     return data, eval_prompts, list(ev[args.answer_column][:n])
 

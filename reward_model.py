@@ -2,7 +2,7 @@
 
 InstructGPT (arXiv:2203.02155, Sec. 3.5): a language model with a scalar head in place of its unembedding scores
 r(x, y), trained on pairs where y_c was preferred to y_r:
-    loss = -E[ log sigmoid(r(x, y_c) - r(x, y_r) - m) ] + c E[ (r(x, y_c) + r(x, y_r))^2 ]              (Eq. 1)
+    loss = -E[ log sigmoid(r(x, y_c) - r(x, y_r) - m) ] + c E[ (r(x, y_c) + r(x, y_r))^2 ]    (Eq. 1)
 with Llama 2's margin m (arXiv:2307.09288, Eq. 2; `--margin-column`) and reward centring c (arXiv:2312.09244,
 `--center-rewards-coef`); `--tie-strength` trains Davidson's (1970) ties; `--comparisons K` makes the pairs by ranking
 K samples of the policy with a rule labeler. The mean and std of the training pairs' chosen scores go into
@@ -54,7 +54,7 @@ from rewards import make_reward
 class Args:
     # --- algorithm
     center_rewards_coef: float = 0.0
-    """coefficient of (r_c + r_r)^2 in the loss, keeping scores near 0 (0: off; TRL suggests 0.01)"""
+    """c of c (r_c + r_r)^2 in the loss, keeping scores near 0 (0: off; TRL suggests 0.01)"""
     margin_column: Optional[str] = None
     """column of the training split holding a margin m >= 0 per pair (Llama 2's -log sigmoid(r_c - r_r - m))"""
     tie_strength: float = 0.0
@@ -73,7 +73,7 @@ class Args:
     policy: Optional[str] = None
     """the model --comparisons samples (None: --model-name-or-path)"""
     labeler: str = "correctness"
-    """rewards.make_reward spec ranking each prompt's K samples in place of human labelers (equal scores: a tie)"""
+    """rewards.make_reward spec ranking each prompt's K samples, for the human labelers (equal scores: a tie)"""
     temperature: float = 0.7
     """--comparisons sample softmax(logits / T)"""
     max_completion_length: int = 40
@@ -216,13 +216,13 @@ def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: in
         if c == r:
             raise ValueError(f"{what}, row {i}: chosen and rejected are the same text, which states no preference: "
                              f"remove the row")
-        if len(c) > max_length or len(r) > max_length:
+        if max(len(c), len(r)) > max_length:
             dropped += 1
             continue
-        if c[-1] == tokenizer.pad_token_id or r[-1] == tokenizer.pad_token_id:
+        if tokenizer.pad_token_id in (c[-1], r[-1]):
             raise ValueError(f"{what}, row {i}: a response ends in the pad token {tokenizer.pad_token!r}, where the "
                              f"classifier would not read its score: strip it from the data")
-        pairs.append((c, r, float(margins[i]) if margins is not None else 0.0, bool(ties and ties[i])))
+        pairs.append((c, r, float(margins[i]) if margins else 0.0, bool(ties and ties[i])))
     if not pairs:
         raise ValueError(f"{what}: every pair is longer than --max-length {max_length} tokens: raise --max-length")
     return pairs, dropped
@@ -304,29 +304,23 @@ def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
 
 
 @torch.no_grad()
-def check_packing(model, forward: Callable[[bool], torch.Tensor]) -> Optional[str]:
-    """forward(packed) of a few pairs, packed against plain, in eval mode -> why this model cannot use packing (e.g.
-    an attention that ignores custom 4D masks), or None."""
+def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
+    """--pack-pairs, unless forward(packed) of a few pairs, packed against plain in eval mode, shows the model cannot
+    use it (e.g. an attention that ignores custom 4D masks): then rows of their own, with a notice saying why."""
+    if not run.args.pack_pairs:
+        return False
     was_training = model.training
     model.eval()
     try:
         plain, packed = forward(False), forward(True)
+        tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+        diff = float((packed - plain).abs().max())
+        why_not = None if diff <= tol * (1 + float(plain.abs().max())) else (
+            f"its packed results differ from its plain ones by {diff:.3g} (attention ignores the custom mask?)")
     except Exception as e:  # noqa: BLE001
-        return f"its packed forward fails ({type(e).__name__}: {e})"
+        why_not = f"its packed forward fails ({type(e).__name__}: {e})"
     finally:
         model.train(was_training)
-    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    diff = float((packed - plain).abs().max())
-    if not diff <= tol * (1 + float(plain.abs().max())):
-        return f"its packed results differ from its plain ones by {diff:.3g} (attention ignores the custom mask?)"
-    return None
-
-
-def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
-    """--pack-pairs, unless the model fails `check_packing` (then rows of their own, with a notice)."""
-    if not run.args.pack_pairs:
-        return False
-    why_not = check_packing(model, forward)
     if why_not:
         run.say(f"--pack-pairs: chosen and rejected in rows of their own, as {why_not}")
     return why_not is None
@@ -449,8 +443,7 @@ class PairScorer(torch.nn.Module):
         classifier = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
         if classifier.config._attn_implementation != "sdpa":  # eager attention adds its mask to the logits
             dtype = next(classifier.parameters()).dtype
-            attention = torch.zeros(attention.shape, dtype=dtype, device=ids.device).masked_fill(
-                ~attention, torch.finfo(dtype).min)
+            attention = torch.zeros_like(attention, dtype=dtype).masked_fill(~attention, torch.finfo(dtype).min)
         hidden = classifier.base_model(input_ids=ids, attention_mask=attention[:, None], position_ids=position_ids,
                                        use_cache=False).last_hidden_state
         rows = torch.arange(len(ids), device=ids.device)[:, None]
@@ -510,10 +503,9 @@ def policy_comparisons(args, tokenizer, ds, device, progress: bool, ties: bool) 
     prompts = list(ds[args.prompt_column])
     columns = {c: list(ds[c]) for c in sorted(labeler.required_columns)}
     policy = AutoModelForCausalLM.from_pretrained(args.policy or args.model_name_or_path).to(device)
-    gen = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                           max_new_tokens=args.max_completion_length,
-                           eos_token_id=own_generation_config(policy, tokenizer),
-                           pad_token_id=tokenizer.pad_token_id)
+    eos = own_generation_config(policy, tokenizer)
+    gen = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, eos_token_id=eos,
+                           max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id)
     rows, K = [], args.comparisons
     for i in tqdm(range(0, len(prompts), 64), desc="comparisons", leave=False, disable=not progress):
         enc = tokenizer(prompts[i : i + 64], return_tensors="pt", padding=True, padding_side="left",
@@ -554,9 +546,9 @@ def comparison_data(args, run, tokenizer):
             run.dir.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
             path.with_suffix(".tmp").rename(path)  # atomic: a killed run leaves no half-written file
-            run.say(f"{path}: {sum(not r.get('tie') for r in rows)} pairs and {sum(bool(r.get('tie')) for r in rows)} "
-                    f"ties from {len({r['ranking'] for r in rows})} prompts x {args.comparisons} samples of "
-                    f"{args.policy or args.model_name_or_path}")
+            n_ties = sum(bool(r.get("tie")) for r in rows)
+            run.say(f"{path}: {len(rows) - n_ties} pairs and {n_ties} ties from {len({r['ranking'] for r in rows})} "
+                    f"prompts x {args.comparisons} samples of {args.policy or args.model_name_or_path}")
     run.barrier()
     data_args = replace(args, dataset=str(run.dir), dataset_split="comparisons", eval_split=None,
                         prompt_column="prompt", chosen_column="chosen", rejected_column="rejected",

@@ -69,7 +69,7 @@ class Args:
     eval_limit: int = 500
     """evaluate on at most this many examples"""
     max_new_tokens: int = 48
-    """generation budget of the greedy evaluation"""
+    """tokens generated per eval prompt"""
 
     # --- optimisation
     learning_rate: float = 3e-4
@@ -192,8 +192,8 @@ def make_examples(tokenizer, split, args: Args) -> list:
 
 
 def make_model(args: Args, tokenizer, eval_prompts: list[str]):
-    """A fresh model from --model-config (how models/tiny-arith is made), or --model-name-or-path's, once its config
-    shows that the training rows and the evaluation's prompts and new tokens fit its positions."""
+    """A fresh model from --model-config (how models/tiny-arith is made), or --model-name-or-path's, if the training
+    rows and the evaluation fit its context."""
     config = AutoConfig.from_pretrained(args.model_config or args.model_name_or_path)
     if args.model_config and config.vocab_size < len(tokenizer):
         raise ValueError(f"--model-config: vocab_size {config.vocab_size} < the tokenizer's {len(tokenizer)}")
@@ -214,23 +214,23 @@ def batch_indices(step: int, n: int, size: int, seed: int) -> list[int]:
     return order[k * size : (k + 1) * size].tolist()
 
 
-def sft_update(model, optimizer, batch: list, micro: int, args: Args, run, pad_id: int, autocast):
+def sft_update(model, optimizer, batch: list, micro: int, args: Args, run, pad_id: int):
     """One optimiser step on this process's share of `batch` in micro-batches of `micro`, the loss the token mean
     over the global batch -> (this process's summed NLL, the global completion tokens, grad norm)."""
     n_tokens = sum(sum(t != -100 for t in labels[1:]) for _, labels in batch)
     accum = args.gradient_accumulation_steps
     mine = batch[run.rank * micro * accum :][: micro * accum]
-    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
     nll_sum = 0.0
     for k in range(accum):
         ids, mask, labels = (t.to(run.device) for t in collate(mine[k * micro : (k + 1) * micro], pad_id))
-        with (model.no_sync() if ddp and k < accum - 1 else torch.enable_grad()), autocast:
+        with (model.no_sync() if k < accum - 1 and hasattr(model, "no_sync") else torch.enable_grad()), autocast:
             nll, _ = completion_only_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
             (nll * run.world / n_tokens).backward()  # x world: DDP averages the gradients
         nll_sum += nll.item()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return nll_sum, n_tokens, grad_norm
 
 
@@ -239,12 +239,12 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "sa
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (--resume: the run's own arguments).
+    # 0. Check every input first (--resume: the run's own arguments).
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     run = Run(args, overrides, shown=("train/loss", "eval/accuracy"))
 
-    # 1. Data: prompt + completion + EOS rows, the prompt masked out of the loss; the eval prompts and answers.
+    # 1. Data: prompt + completion + EOS rows, the prompt masked out of the loss; eval prompts and answers.
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path or args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     flags = "--prompt-column/--completion-column/--answer-column"
@@ -265,13 +265,12 @@ def main(args: Args) -> dict:
         model = run.shard(model, decoder_layers(model))
     elif run.ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
 
     # 3. Optimiser and schedule; on --resume the weights, then all their states.
     optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
     run.trained = (model, optimizer)  # what --fsdp checkpoints in shards
-    lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
+    lr_anchor = None
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     lr_anchor = run.restore(raw_model, optimizer, scheduler).get("lr_anchor")
@@ -299,8 +298,7 @@ def main(args: Args) -> dict:
             # 4a. The step's global batch; each process keeps its share.
             batch = [examples[i] for i in batch_indices(step, len(examples), args.batch_size, args.seed)]
             # 4b. One optimiser step on the completion-only loss.
-            nll_sum, n_tokens, grad_norm = sft_update(model, optimizer, batch, micro, args, run, tokenizer.pad_token_id,
-                                                      autocast)
+            nll_sum, n_tokens, grad_norm = sft_update(model, optimizer, batch, micro, args, run, tokenizer.pad_token_id)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's update
             scheduler.step()
             seconds = time.perf_counter() - t0

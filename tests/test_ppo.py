@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, train_rows
+from conftest import read_metrics, short_gpt2, train_rows
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 import ppo
 from kernels import clipped_policy_loss
@@ -207,23 +207,29 @@ def test_reference_stays_the_initial_policy_and_kl_grows(tiny, tmp_path, monkeyp
     assert kl[0] == 0.0 and kl[1] > 1e-3 and kl[2] > 1e-3, kl
 
 
-def test_target_kl_stops_the_epochs(tiny, tmp_path):
+def test_target_kl_stops_the_epochs(tiny, tmp_path, capsys):
+    """Also: with beta > 0 the progress line shows train/kl (the next test: hidden without the KL term)."""
     out = ppo.main(tiny_args(tiny, tmp_path, num_ppo_epochs=3, target_kl=1e-12, eval_split=None,
                              learning_rate=1e-2))
     assert [r["train/ppo_epochs"] for r in train_rows(out["run_dir"])] == [1, 1]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all("| reward " in line and "| kl " in line for line in lines), lines
 
 
-def test_learning_raises_the_reward(tiny, tmp_path):
+def test_learning_raises_the_reward(tiny, tmp_path, capsys):
     """The task's prompts, a random 2-layer model and the `capitalization` reward (0.5 for an upper-case first
     letter + 0.5 for final punctuation): the mean reward of the last 5 of 25 steps must beat the first 5 by 0.3
 (measured 0.28 -> 0.81; with one PPO epoch instead of two, 0.25 -> 0.48).
     A policy gradient with the wrong sign, or advantages attached to the wrong tokens, leaves it flat or lowers it.
-    (The embedded task with the defaults: README.)"""
+    (The embedded task with the defaults: README.) With beta = 0, train/kl is 0 by construction: the progress line
+    leaves it out."""
     out = ppo.main(tiny_args(tiny, tmp_path, total_steps=25, prompts_per_step=64, num_mini_batches=1, beta=0.0,
                              learning_rate=1e-2, value_learning_rate=1e-2, eval_split=None))
     rewards = [r["train/reward"] for r in train_rows(out["run_dir"])]
     assert len(rewards) == 25
     assert statistics.fmean(rewards[-5:]) > statistics.fmean(rewards[:5]) + 0.3
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 25 and all("| reward " in line and "| kl " not in line for line in lines), lines[:2]
 
 
 @pytest.mark.parametrize("value_model_layers", [0, 1])
@@ -325,6 +331,29 @@ def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
         ppo.main(tiny_args(tiny, tmp_path, **overrides))
     assert message in str(e.value)
     assert not any(tmp_path.iterdir())  # no run directory was created
+
+
+def test_prompts_and_completions_must_fit_the_context(tiny, tmp_path):
+    """Every prompt generation sees (training prompts as --max-prompt-length keeps them, eval prompts whole) plus
+    --max-completion-length must fit the policy's positions, and the training prompts the value model's: one short
+    of either is refused before any work; at both limits (the value model's below the eval prompt's) a run completes."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"prompt": "1+2+3+4+5+6+7=", "answer": "28"}\n' * 4)  # kept: its last 4 tokens
+    (data / "test.jsonl").write_text('{"prompt": "12+34=", "answer": "46"}\n')  # the longest prompt
+    longest = len(AutoTokenizer.from_pretrained(tiny / "model")("12+34=", add_special_tokens=False).input_ids)
+    assert longest > 4
+    kw = {"dataset": str(data), "max_prompt_length": 4, "total_steps": 1}
+    policy, value_model = short_gpt2(tmp_path / "policy", longest + 8), short_gpt2(tmp_path / "value", 4 + 8)
+    for model, value, n, positions in ((short_gpt2(tmp_path / "short", longest + 7), None, longest, longest + 7),
+                                       (policy, short_gpt2(tmp_path / "short_value", 4 + 7), 4, 4 + 7)):
+        with pytest.raises(ValueError, match=rf"a {n}-token prompt and --max-completion-length 8 exceed the model's "
+                                             rf"{positions} positions"):
+            ppo.main(tiny_args(tiny, tmp_path / "runs", model_name_or_path=model, value_model_name_or_path=value, **kw))
+    assert not (tmp_path / "runs").exists()
+    out = ppo.main(tiny_args(tiny, tmp_path / "runs", model_name_or_path=policy, value_model_name_or_path=value_model,
+                             **kw))
+    assert out["step"] == 1 and not out["interrupted"] and "eval/accuracy" in out
 
 
 def test_reward_needing_a_missing_column(tiny, tmp_path):
