@@ -415,7 +415,7 @@ def tokenize_completions(tokenizer, ds, args: Args) -> list[tuple]:
 
 
 def load_data(args: Args, tokenizer) -> tuple:
-    """Every split, checked and tokenised before any model loads (the eval prompts: within the model's context) ->
+    """Every split, checked and tokenised before any model loads (eval prompts: in the model's context) ->
     (training pairs, held-out pairs, eval prompts, their answers)."""
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
     pairs = tokenize_completions(tokenizer, load_pairs(args, "dataset_split", columns), args)
@@ -485,8 +485,8 @@ def pair_logps(model, pairs: list, pad_id: int, packed: bool, micro: int, autoca
 
 
 def pref_metrics(logps, ref, pairs: list, args: Args, say: Callable) -> dict:
-    """Held-out pairs: the fraction whose implicit reward ranks chosen first (a tie is wrong, as in TRL; all tied, as at
-    step 0, is said), the policy's mean log-probs. logps, ref: [N, 2] (chosen, rejected); ref is None for simpo."""
+    """Held-out pairs: the fraction whose implicit reward ranks chosen first (a tie is wrong; all tied, as at step 0,
+    is said), the policy's mean log-probs. logps, ref: [N, 2] (chosen, rejected); ref is None for simpo."""
     tokens = logps.new_tensor([[len(c), len(r)] for _, c, r in pairs])
     ref = (None, None) if ref is None else ref.T
     chosen, rejected = pair_logratios(*logps.T, *ref, *tokens.T, args.loss_type, args.ipo_logps)

@@ -64,7 +64,7 @@ class Args:
     reward: str = DEFAULT_SPEC
     """reward spec (rewards.make_reward): `name:weight,...` or a JSON file"""
     scale_rewards: Literal["group", "batch", "none"] = "none"
-    """divide advantages by the std of the group (GRPO), of the batch, or not at all (Dr.GRPO)"""
+    """divide advantages by the group's std (GRPO), the batch's, or nothing (Dr.GRPO)"""
     baseline: Literal["mean", "rloo"] = "mean"
     """subtract the group's mean reward, or the mean of the other G - 1 (RLOO)"""
     dynamic_sampling: bool = False
@@ -80,9 +80,9 @@ class Args:
     num_iterations: int = 2
     """mu, optimiser updates on each batch"""
     clip_low: float = 0.2
-    """epsilon_low: the ratio is clipped below at 1 - clip_low"""
+    """epsilon_low: the ratio's floor is 1 - clip_low"""
     clip_high: float = 0.2
-    """epsilon_high: the ratio is clipped above at 1 + clip_high (DAPO: 0.28)"""
+    """epsilon_high: the ratio's ceiling is 1 + clip_high (DAPO: 0.28)"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
     """the loss's normaliser (aggregate_loss); cispo: CISPO's loss with dapo's normaliser"""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
@@ -215,8 +215,8 @@ def aggregate_loss(per_token_loss, mask, loss_type: str, *, num_sequences: int, 
     """per_token_loss, mask: [B, T] -> this micro-batch's share of the step's loss:
         grpo     mean over sequences of each one's token mean  (the 1/|o_i| of Eq. 3)
         bnpo     mean over processes of each one's token mean (local_tokens: TRL's normaliser)
-        dr_grpo  token sum / (num_sequences x max_completion_length)  (arXiv:2503.20783, Sec. 3)
-        dapo     token sum / num_tokens, the step's tokens  (arXiv:2503.14476, Sec. 3.3); cispo too"""
+        dr_grpo  token sum / (num_sequences x max_completion_length)  (Dr.GRPO Sec. 3)
+        dapo     token sum / num_tokens, the step's tokens  (DAPO Sec. 3.3); cispo too"""
     masked = (per_token_loss * mask).sum(dim=1)
     if loss_type == "grpo":
         return (masked / mask.sum(dim=1).clamp(min=1.0)).sum() / num_sequences
@@ -230,12 +230,12 @@ def aggregate_loss(per_token_loss, mask, loss_type: str, *, num_sequences: int, 
 def policy_loss(logp, old_logp, advantages, mask, ref_logp, args):
     """logp, old_logp, mask, ref_logp (None: beta = 0): [B, T]; advantages: [B, 1] -> per token (loss, kl, clipped:
     1 where the clip zeroes the gradient or cispo caps the weight). The ratio x (sg: no gradient) is per
-        token           x_it = pi(o_it) / pi_old(o_it)              GRPO, Eq. 3 of arXiv:2402.03300
-        sequence        x_it = s_i = exp(1/|o_i| sum_t log x_it)    GSPO, Eq. 7 of arXiv:2507.18071
-        sequence_token  x_it = sg[s_i] pi(o_it) / sg[pi(o_it)]      GSPO-token, Eq. 14
+        token           x_it = pi(o_it) / pi_old(o_it)              GRPO Eq. 3
+        sequence        x_it = s_i = exp(1/|o_i| sum_t log x_it)    GSPO Eq. 7
+        sequence_token  x_it = sg[s_i] pi(o_it) / sg[pi(o_it)]      GSPO-token Eq. 14
     and the loss, plus beta KL (Eq. 4; delta: the two-sided clip of INTELLECT-2, arXiv:2505.07291):
         clip   -min(min(x, delta) A, clip(x, 1 - eps_low, 1 + eps_high) A)   Eq. 3; GSPO Eq. 5
-        cispo  -sg[min(x, 1 + eps_high)] A log pi(o_it)                     Eq. 4-5 of arXiv:2506.13585
+        cispo  -sg[min(x, 1 + eps_high)] A log pi(o_it)                     CISPO Eq. 4-5
     On CUDA, token-level clip losses without delta run as kernels.clipped_policy_loss (same numbers)."""
     if logp.is_cuda and args.loss_type != "cispo" and args.importance_sampling_level == "token" and args.delta is None:
         return clipped_policy_loss(logp, old_logp, advantages, ref_logp=ref_logp, clip_low=args.clip_low,
@@ -311,7 +311,7 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
             pad([torch.ones_like(r) for r in ids], batch_first=True, padding_side="left"))
 
 
-def concat_rollouts(batches: list[dict], pad_id: int, rows: Optional[list[int]] = None) -> dict:
+def concat_rollouts(batches: list[dict], pad_id: int, rows=None) -> dict:
     """Rollout batches as one, or its `rows` only: prompts re-padded on the left, completions on the right."""
     out = {}
     for k, v in batches[0].items():
@@ -332,8 +332,8 @@ def concat_rollouts(batches: list[dict], pad_id: int, rows: Optional[list[int]] 
 
 
 def dynamic_sampling(draw, num_groups: int, group_size: int, max_rounds: int, pad_id: int) -> tuple[dict, dict]:
-    """DAPO dynamic sampling (arXiv:2503.14476, Sec. 3.2): draw(n) samples n groups; draws go on (at most max_rounds
-    more) until num_groups have rewards that differ, short of which zero-advantage groups fill the batch."""
+    """DAPO dynamic sampling (Sec. 3.2): draw(n) samples n groups; draws go on (at most max_rounds more) until
+    num_groups have rewards that differ, short of which zero-advantage groups fill the batch."""
     batches, n_kept = [], 0
     while n_kept < num_groups and len(batches) <= max_rounds:
         batches.append(draw(num_groups - n_kept))
@@ -384,7 +384,7 @@ class DataOrder:
 
 @torch.no_grad()
 def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, eos_ids, reward, autocast, timing):
-    """Steps 1-2 of Algorithm 1 (arXiv:2402.03300) for the prompts `rows` of data (load_prompts): sample and score."""
+    """Steps 1-2 of Algorithm 1, sample and score, for the prompts `rows` of data (load_prompts)."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
@@ -480,9 +480,7 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference, tokens: 
 
 def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, steps: int) -> dict:
     """The step's metrics over all processes; perf/ over the `steps` since the last log row."""
-    lengths = batch["completion_mask"].sum(dim=1)
-    totals = {**sums, "length": float(lengths.sum()), "truncated": float(batch["truncated"].sum()),
-              "sequences": len(lengths)}
+    totals = {**sums, "length": float(batch["completion_mask"].sum()), "truncated": float(batch["truncated"].sum())}
     t = dict(zip(totals, run.gather(torch.tensor([list(totals.values())], device=rewards.device)).sum(0).tolist()))
     n_tok = max(t["tokens"], 1)
     return {"train/loss": t["loss"] / args.num_iterations, "train/reward": float(rewards.mean()),
@@ -492,8 +490,8 @@ def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, step
             **{f"train/{k}": t[k] / n_tok for k in ("kl", "clip_frac", "entropy")},
             "train/tis_capped_frac": t["tis_capped"] * args.num_iterations / n_tok,
             "train/grad_norm": sums["grad_norm"],
-            "train/completion_length": t["length"] / t["sequences"],
-            "train/truncated_frac": t["truncated"] / t["sequences"],
+            "train/completion_length": t["length"] / rewards.numel(),
+            "train/truncated_frac": t["truncated"] / rewards.numel(),
             "train/frac_zero_std": float((~informative_groups(rewards)).float().mean()),
             "perf/tokens_per_s": timing["tokens"] * run.world / max(timing["step"], 1e-9),
             **{f"perf/{k}_s": timing[k] / steps for k in ("step", "generate", "score", "train")}}
@@ -514,7 +512,7 @@ def load_prompts(args, tokenizer, reward):
     if not args.eval_split:
         return data, [], []
     ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
-    n = args.eval_limit
+    n = min(len(ev), args.eval_limit)
     eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
     return data, eval_prompts, list(ev[args.answer_column][:n])
 
@@ -562,7 +560,7 @@ def main(args: Args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
 
-    # 1. Data: the prompts, tokenised once, with the columns the reward needs; the eval split; all fit the context.
+    # 1. Data (prompts tokenised once, the reward's columns, the eval split), checked against the model's context.
     data, eval_prompts, eval_answers = load_prompts(args, tokenizer, reward)
     prompt_ids = data["ids"] + [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts]
     check_context(AutoConfig.from_pretrained(args.model_name_or_path), prompt_ids, args.max_completion_length,
@@ -588,7 +586,7 @@ def main(args: Args) -> dict:
         reward.load_state_dict(state["reward"])
         order.load(state)
         lr_anchor = state["lr_anchor"]
-        if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
+        if "total_steps" in overrides:
             lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
                                               args.lr_schedule, lr_anchor))
 
@@ -612,8 +610,7 @@ def main(args: Args) -> dict:
     G, groups = args.num_generations, args.prompts_per_step // run.world
     run.say(f"run directory: {run.dir}  |  {len(data['ids'])} training prompts, {len(eval_prompts)} eval prompts, "
             f"micro-batch {micro}")
-    final = {}
-    last_log = run.start
+    final, last_log = {}, run.start
     timing = dict.fromkeys(("step", "generate", "score", "train", "tokens"), 0.0)  # since the last log row
     with run:
         for step in run.steps(measure, save):
@@ -632,7 +629,7 @@ def main(args: Args) -> dict:
             mask = batch["completion_mask"]
             if args.mask_truncated_completions:  # DAPO's overlong filtering (Sec. 3.4)
                 mask = mask * ~batch["truncated"][:, None]
-            # (not under --fsdp: there each pass gathers and reduces over all processes, so all run as many)
+            # (not under --fsdp: there every pass is collective, so all processes run as many)
             chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0 and not run.fsdp)
             # 4c. mu updates on this batch: the loss per token (Eq. 3), aggregated per --loss-type.
             tokens = (int(run.gather(mask.sum()[None]).sum()), int(mask.sum()))

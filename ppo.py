@@ -666,7 +666,7 @@ def main(args: Args) -> dict:
     data = rl_prompts(args, tokenizer, train, columns)
     eval_prompts, eval_answers = eval_prompts_and_answers(args, tokenizer)
     eval_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts]
-    for name, ids in ((args.model_name_or_path, data["ids"]), (args.value_model_name_or_path, data["ids"])):
+    for name, ids in ((args.model_name_or_path, data["ids"] + eval_ids), (args.value_model_name_or_path, data["ids"])):
         if name:  # None: the policy's
             check_context(AutoConfig.from_pretrained(name), ids, args.max_completion_length, "--max-completion-length")
 

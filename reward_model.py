@@ -8,7 +8,7 @@ with Llama 2's margin m (arXiv:2307.09288, Eq. 2; `--margin-column`) and reward 
 K samples of the policy with a rule labeler. The mean and std of the training pairs' chosen scores go into
 final/config.json (`reward_mean`, `reward_std`) for ppo.py's whitened rewards.
 
-Run (more, and InstructGPT's whole pipeline: docs/reward_model.md):
+Run (more: docs/reward_model.md; InstructGPT's pipeline: docs/rlhf_pipeline.md):
     python reward_model.py  # embedded: models/tiny-arith on data/arith prefs
     torchrun --nproc-per-node 2 reward_model.py  # data parallel (gloo on CPU, nccl on GPU)
 
@@ -54,9 +54,9 @@ from rewards import make_reward
 class Args:
     # --- algorithm
     center_rewards_coef: float = 0.0
-    """c of c (r_c + r_r)^2 in the loss, keeping scores near 0 (0: off; TRL suggests 0.01)"""
+    """c of c (r_c + r_r)^2 in the loss: scores near 0 (0: off; TRL suggests 0.01)"""
     margin_column: Optional[str] = None
-    """column of the training split holding a margin m >= 0 per pair (Llama 2's -log sigmoid(r_c - r_r - m))"""
+    """training split's column of a margin m >= 0 per pair (Llama 2's -log sigmoid(r_c - r_r - m))"""
     tie_strength: float = 0.0
     """Davidson's nu > 0: pairs whose column `tie` is true pull their scores together (0: Bradley-Terry)"""
     tie_start_step: int = 0
@@ -73,7 +73,7 @@ class Args:
     policy: Optional[str] = None
     """the model --comparisons samples (None: --model-name-or-path)"""
     labeler: str = "correctness"
-    """rewards.make_reward spec ranking each prompt's K samples, for the human labelers (equal scores: a tie)"""
+    """rewards.make_reward spec ranking each prompt's K samples (equal scores: a tie)"""
     temperature: float = 0.7
     """--comparisons sample softmax(logits / T)"""
     max_completion_length: int = 40
@@ -194,22 +194,21 @@ def sequence_scores(model, input_ids, attention_mask) -> torch.Tensor:
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, 0].float()
 
 
+@torch.no_grad()
 def init_score_head(model, new_keys: set[str]) -> list[str]:
     """The parameters the checkpoint lacks (the score head): weights ~ N(0, 1/(H+1)), biases 0 (arXiv:2403.17031)."""
     for name in sorted(new_keys):
         param = model.get_parameter(name)
-        with torch.no_grad():
-            if name.endswith("bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, 1 / math.sqrt(param.shape[-1] + 1))
+        if name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 1 / math.sqrt(param.shape[-1] + 1))
     return sorted(new_keys)
 
 
 def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: int, what: str, ties=None):
     """prompt + response, tokenised as the tokenizer does by default -> ([(chosen_ids, rejected_ids, margin, tie)],
-    pairs dropped as too long). No text may end in the pad id: the classifier would read its score at an earlier
-    token."""
+    pairs dropped as too long). No text may end in the pad id (its score would be read at an earlier token)."""
     c_ids, r_ids = (tokenizer([p + y for p, y in zip(prompts, ys)])["input_ids"] for ys in (chosen, rejected))
     pairs, dropped = [], 0
     for i, (c, r) in enumerate(zip(c_ids, r_ids)):
@@ -228,14 +227,14 @@ def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: in
     return pairs, dropped
 
 
-def ranking_pairs(scores: list[float]) -> list[tuple[int, int]]:
+def ranking_pairs(scores: list[float]) -> list[tuple]:
     """A labeler's scores of K responses to one prompt -> every pair (better, worse) of different scores, in index
     order: the C(K,2) comparisons of a ranking less its ties, which state no preference."""
     return [(i, j) if scores[i] > scores[j] else (j, i)
             for i, j in itertools.combinations(range(len(scores)), 2) if scores[i] != scores[j]]
 
 
-def tied_pairs(scores: list[float], texts: list) -> list[tuple[int, int]]:
+def tied_pairs(scores: list[float], texts: list) -> list[tuple]:
     """The pairs `ranking_pairs` leaves out: equal scores (a tie), of different texts (the same text twice says
     nothing; texts: strings or token ids), in index order."""
     return [(i, j) for i, j in itertools.combinations(range(len(scores)), 2)
@@ -248,7 +247,7 @@ def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_len
     the weight of each of its pairs in Eq. 1), pairs dropped as too long)."""
     grouped = {}
     for i, (p, c, r, key, k) in enumerate(zip(prompts, chosen, rejected, keys, sizes)):
-        if isinstance(k, bool) or not isinstance(k, int) or k < 2:
+        if type(k) is not int or k < 2:
             raise ValueError(f"{what}, row {i}: ranking size k={k!r}: it must be the number of responses ranked (>= 2)")
         texts, pairs, size = grouped.setdefault(key, ({}, [], k))
         if k != size or len(pairs) == math.comb(k, 2):
@@ -261,7 +260,7 @@ def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_len
         if any(t and t[-1] == tokenizer.pad_token_id for t in ids):
             raise ValueError(f"{what}: a response ends in the pad token {tokenizer.pad_token!r}, where the classifier "
                              f"would not read its score: strip it from the data")
-        kept = [(a, b, tie) for a, b, tie in pairs if len(ids[a]) <= max_length and len(ids[b]) <= max_length]
+        kept = [(a, b, tie) for a, b, tie in pairs if max(len(ids[a]), len(ids[b])) <= max_length]
         dropped += len(pairs) - len(kept)
         used = {t: n for n, t in enumerate(sorted({t for a, b, _ in kept for t in (a, b)}))}  # texts left in a pair
         if kept:
@@ -275,8 +274,8 @@ def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_len
 def right_pad(rows: list, pad_id: int) -> tuple:
     """Token lists -> (ids [B, T] right-padded with pad_id, attention mask [B, T])."""
     pad = torch.nn.utils.rnn.pad_sequence
-    return (pad([torch.tensor(x, dtype=torch.long) for x in rows], batch_first=True, padding_value=pad_id),
-            pad([torch.ones(len(x), dtype=torch.long) for x in rows], batch_first=True))
+    return (pad([torch.tensor(x, dtype=torch.long) for x in rows], True, pad_id),
+            pad([torch.ones(len(x), dtype=torch.long) for x in rows], True))
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -421,9 +420,9 @@ def pack_texts(pairs: list[tuple], pad_id: int) -> tuple:
     return ids, allowed, position_ids, ends
 
 
-def pair_batch(pairs: list[tuple], pad_id: int, packed: bool, device) -> list[torch.Tensor]:
+def pair_batch(pairs: list[tuple], pad_id: int, packed: bool, device) -> list:
     """PairScorer's input on the device: `pack_texts` rows, or the B chosen then the B rejected texts right-padded."""
-    batch = pack_texts(pairs, pad_id) if packed else right_pad([p[0] for p in pairs] + [p[1] for p in pairs], pad_id)
+    batch = pack_texts(pairs, pad_id) if packed else right_pad([p[i] for i in (0, 1) for p in pairs], pad_id)
     return [t.to(device) for t in batch]
 
 
@@ -598,12 +597,10 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
             loss = (loss if weights is None else loss * weights).sum() / args.batch_size
             (loss * world).backward()
         chosen, rejected, scores = chosen.detach()[~ties], rejected.detach()[~ties], scores.detach()  # ties: no order
-        sums["loss"] += loss.item()
-        sums["correct"] += float((chosen > rejected).sum())
-        sums["margin"] += float((chosen - rejected).sum())
-        sums["reward"] += float(scores.sum())
-        sums["pairs"] += len(chosen)
-        sums["texts"] += scores.numel()
+        stats = (loss.item(), (chosen > rejected).sum(), (chosen - rejected).sum(), scores.sum(), len(chosen),
+                 scores.numel())
+        for key, value in zip(sums, stats):  # loss, correct, margin, reward, pairs, texts
+            sums[key] += float(value)
     grad_norm = torch.nn.utils.clip_grad_norm_(scorer.parameters(), args.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -640,12 +637,11 @@ def load_preference_splits(args: Args, run, tokenizer) -> tuple:
     rankings, held-out pairs, held-out comparisons, whether the training data are rankings)."""
     data_args, held_out = comparison_data(args, run, tokenizer) if args.comparisons else (args, [])
     pairs, dropped = load_preferences(data_args, tokenizer, "dataset_split", with_margin=True)
-    eval_pairs = []
+    eval_pairs, eval_dropped = [], 0
     if args.eval_split:
         eval_pairs, eval_dropped = load_preferences(args, tokenizer, "eval_split", False, args.eval_limit)
-        dropped += eval_dropped
-    if dropped:
-        run.say(f"dropped {dropped} pairs longer than --max-length {args.max_length} tokens")
+    if dropped + eval_dropped:
+        run.say(f"dropped {dropped + eval_dropped} pairs longer than --max-length {args.max_length} tokens")
     return pairs, eval_pairs, held_out, bool(data_args.ranking_column)
 
 
@@ -656,14 +652,6 @@ def preference_metrics(run, sums: dict) -> dict:
     s = dict(zip(sums, total.tolist()))
     return {"train/loss": s["loss"], "train/accuracy": s["correct"] / max(s["pairs"], 1),
             "train/margin": s["margin"] / max(s["pairs"], 1), "train/reward": s["reward"] / s["texts"]}
-
-
-def chosen_statistics(model, pairs: list, rankings: bool, pad_id: int, device, autocast, progress: bool) -> dict:
-    """The mean and std of the scores of the training pairs' chosen texts (of rankings: every text), for ppo.py's
-    whitened rewards."""
-    texts = [t for texts, _, _ in pairs for t in texts] if rankings else [p[0] for p in pairs if not p[3]]
-    chosen = score_sequences(model, texts, pad_id, device, autocast, progress=progress)
-    return {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "save_every_minutes", "eval_limit",
@@ -683,8 +671,7 @@ def main(args: Args) -> dict:
     pad_id = tokenizer.pad_token_id
     pairs, eval_pairs, held_out, rankings = load_preference_splits(args, run, tokenizer)
 
-    # 2. Model: the causal LM with a new scalar head; one row per pair if the model passes the check (a ranking's
-    #    texts are scored one a row).
+    # 2. Model: the causal LM with a new scalar head; one row per pair if it passes the check (rankings: a text a row).
     model, new_head = load_reward_model(args, tokenizer, device)
     packed = not rankings and use_packing(
         run, model, lambda p: PairScorer(model, p)(*pair_batch(pairs[:8], pad_id, p, device)))
@@ -729,8 +716,7 @@ def main(args: Args) -> dict:
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
-            # 4a. The next global batch of pairs in epoch order (up to --tie-start-step, of the preferences alone);
-            #     every process draws the same and keeps its share.
+            # 4a. The next batch in epoch order (until --tie-start-step, of preferences); each process keeps its share.
             ties = step > args.tie_start_step
             drawn = order.draw(args.batch_size) if ties else [prefs[i] for i in pref_order.draw(args.batch_size)]
             mine = [pairs[i] for i in drawn][run.rank * share : (run.rank + 1) * share]
@@ -750,25 +736,28 @@ def main(args: Args) -> dict:
                 run.log(final)
                 tokens, seconds, last_log = 0, 0.0, step
 
-    # 5. The reward model (LoRA merged) and the mean and std of its scores of the training pairs' chosen texts, for
-    #    ppo.py's whitened rewards; then the final evaluation, a checkpoint, and final/ with the statistics.
+    # 5. The reward model (LoRA merged) and the mean and std of its scores of the training pairs' chosen texts (of
+    #    rankings: every text), for ppo.py's whitened rewards; the final evaluation, a checkpoint, final/ with them.
     merged, stats = model, {}
     with run.whole():  # --fsdp: rank 0 scores with whole weights
         if run.rank == 0 and not run.stop:
             merged = copy.deepcopy(model).merge_and_unload() if args.lora_r else model
-            stats = chosen_statistics(merged, pairs, rankings, pad_id, device, autocast, run.progress)
+            texts = [t for texts, _, _ in pairs for t in texts] if rankings else [p[0] for p in pairs if not p[3]]
+            chosen = score_sequences(merged, texts, pad_id, device, autocast, progress=run.progress)
+            stats = {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
             final.update({f"final/{k}": v for k, v in stats.items()})
 
     def final_model():  # the statistics go into final/config.json, not into the last checkpoint's
         merged.config.update(stats)
         return merged
 
-    spec = {"type": "reward_model", "model": str((run.dir / "final").resolve()), "normalize": True}
-    notes = [f"reward statistics for ppo.py: {', '.join(f'{k} {v:.4g}' for k, v in stats.items())} (saved in "
-             f"{run.dir / 'final'}/config.json); `ppo.py --reward {run.dir / 'final' / 'reward.json'}` scores with it"]
-    out = run.finish(final, measure, save, final_model, tokenizer, notes=tuple(notes * bool(stats)))
+    final_dir = run.dir / "final"
+    notes = (f"reward statistics for ppo.py: {', '.join(f'{k} {v:.4g}' for k, v in stats.items())} (saved in "
+             f"{final_dir}/config.json); `ppo.py --reward {final_dir / 'reward.json'}` scores with it",)
+    out = run.finish(final, measure, save, final_model, tokenizer, notes=notes * bool(stats))
     if run.rank == 0 and not out["interrupted"]:  # the spec of rewards.make_reward that scores with it, whitened
-        (run.dir / "final" / "reward.json").write_text(json.dumps(spec, indent=2) + "\n")
+        spec = {"type": "reward_model", "model": str(final_dir.resolve()), "normalize": True}
+        (final_dir / "reward.json").write_text(json.dumps(spec, indent=2) + "\n")
     return out
 
 

@@ -1,18 +1,15 @@
-"""Supervised fine-tuning (SFT) with a completion-only loss; also makes the embedded tiny model.
+"""Supervised fine-tuning (SFT) with a completion-only loss; it made the embedded model. Details: docs/sft.md.
 
 The first stage of RLHF (InstructGPT, arXiv:2203.02155, Sec. 3.5): maximise the log-likelihood of demonstration
 completions given their prompts, prompt and padding tokens masked out of the loss,
     L(theta) = - sum_t log pi_theta(y_t | x, y_<t) / (number of completion tokens).
 
-Run (details: docs/sft.md):
+Run:
     python sft.py  # 100 more SFT steps on models/tiny-arith, CPU
-    python sft.py --model-config models/tiny-arith-config.json --tokenizer-name-or-path data/arith/tokenizer \
-        --total-steps 250 --learning-rate 2e-3 --warmup-steps 25 --eval-every 50 --final-dir models/tiny-arith
-    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/hub-dataset --dataset-split train \
-        --prompt-column question --completion-column response --max-length 1024
+    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/dataset --dataset-split train --max-length 1024
     torchrun --nproc-per-node 2 sft.py  # DDP (gloo on CPU, nccl on GPU)
 
-Choices: the loss is the token mean over the whole step (micro-batches and processes: one big batch's gradient);
+Choices: the loss is the token mean over the whole step (all micro-batches and processes);
 --packing does not block attention between packed examples (TRL's simple packing).
 """
 import contextlib
@@ -43,7 +40,7 @@ from transformers.utils import logging as hf_logging
 class Args:
     # --- algorithm
     max_length: int = 64
-    """longest prompt + completion in tokens (completions are cut to fit)"""
+    """longest prompt + completion in tokens (longer completions are cut)"""
     packing: bool = False
     """concatenate examples into full rows of --max-length"""
 
@@ -51,13 +48,13 @@ class Args:
     model_name_or_path: str = "models/tiny-arith"
     """local folder or Hugging Face id of the causal LM and its tokenizer"""
     model_config: Optional[str] = None
-    """config JSON of a fresh, random model to train instead"""
+    """config JSON of a fresh, random model to train"""
     tokenizer_name_or_path: Optional[str] = None
-    """tokenizer folder or id (default: --model-name-or-path)"""
+    """tokenizer folder or id (default: the model's)"""
     dataset: str = "data/arith"
     """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "sft"
-    """split with prompts and demonstration completions"""
+    """split with prompts and completions"""
     eval_split: Optional[str] = "test"
     """split with prompts and answers for greedy accuracy (None: no eval)"""
     prompt_column: str = "prompt"
@@ -65,7 +62,7 @@ class Args:
     completion_column: str = "completion"
     """column of demonstration completions"""
     answer_column: str = "answer"
-    """column of reference answers (eval split)"""
+    """column of the eval split's answers"""
     eval_limit: int = 500
     """evaluate on at most this many examples"""
     max_new_tokens: int = 48
@@ -77,7 +74,7 @@ class Args:
     total_steps: int = 100
     """optimiser steps (may change on --resume: the decay then ends at the new last step)"""
     batch_size: int = 64
-    """sequences (or packed rows) per optimiser step, over all processes"""
+    """rows per optimiser step, over all processes"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimiser step"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -101,13 +98,13 @@ class Args:
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     final_dir: Optional[str] = None
-    """also write the final model here (e.g. models/tiny-arith)"""
+    """also save the final model here (e.g. models/tiny-arith)"""
 
     # --- engineering / experiment
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states (FSDP2) instead of DDP"""
+    """under torchrun, shard weights, gradients and AdamW states (FSDP2), not DDP"""
     device: str = "auto"
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -134,10 +131,9 @@ class Args:
 
 def completion_only_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The loss above unnormalised, and its token count. logits: [B, T, V]; labels: [B, T], -100 where masked."""
-    targets = labels[:, 1:]
     nll = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
-    return nll, int((targets != -100).sum())
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum")
+    return nll, int((labels[:, 1:] != -100).sum())
 
 
 def build_example(prompt_ids: list[int], completion_ids: list[int], eos_id: int, max_length: int):
@@ -148,7 +144,7 @@ def build_example(prompt_ids: list[int], completion_ids: list[int], eos_id: int,
 
 
 def pack_examples(examples: list[tuple], max_length: int):
-    """The (ids, labels) pairs concatenated and cut into rows of max_length; the tail is dropped."""
+    """The (ids, labels) pairs joined and cut into rows of max_length, the tail dropped."""
     ids = [t for e, _ in examples for t in e]
     labels = [t for _, e in examples for t in e]
     starts = range(0, len(ids) - max_length + 1, max_length)
@@ -177,7 +173,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
 
 
 def make_examples(tokenizer, split, args: Args) -> list:
-    """The split's tokenised (ids, labels) training rows (build_example), packed or not; at least a batch of them."""
+    """The split's (ids, labels) rows (build_example), packed or not; at least a batch of them."""
     prompt_ids = tokenizer(list(split[args.prompt_column]), add_special_tokens=False)["input_ids"]
     completion_ids = tokenizer(list(split[args.completion_column]), add_special_tokens=False)["input_ids"]
     too_long = sum(len(p) >= args.max_length for p in prompt_ids)
@@ -192,14 +188,14 @@ def make_examples(tokenizer, split, args: Args) -> list:
 
 
 def make_model(args: Args, tokenizer, eval_prompts: list[str]):
-    """A fresh model from --model-config (how models/tiny-arith is made), or --model-name-or-path's, if the training
-    rows and the evaluation fit its context."""
+    """A fresh model from --model-config (how models/tiny-arith was made), or --model-name-or-path's, if the data fit
+    its context."""
     config = AutoConfig.from_pretrained(args.model_config or args.model_name_or_path)
     if args.model_config and config.vocab_size < len(tokenizer):
         raise ValueError(f"--model-config: vocab_size {config.vocab_size} < the tokenizer's {len(tokenizer)}")
     check_context(config, [[]], args.max_length, "--max-length")
-    prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts]
-    check_context(config, prompt_ids, args.max_new_tokens, "--max-new-tokens")
+    check_context(config, [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts], args.max_new_tokens,
+                  "--max-new-tokens")
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     if args.model_config:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -207,23 +203,22 @@ def make_model(args: Args, tokenizer, eval_prompts: list[str]):
 
 
 def batch_indices(step: int, n: int, size: int, seed: int) -> list[int]:
-    """Step `step`'s global batch: epochs of permutations seeded by seed + 1000003 epoch (nearby seeds share none),
-    the tail skipped; a function of the step, so processes and resumes agree."""
+    """Step `step`'s global batch, alike in all processes and resumes: epochs of permutations seeded by
+    seed + 1000003 epoch (nearby seeds share none), the tail skipped."""
     epoch, k = divmod(step - 1, n // size)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1_000_003 * epoch))
     return order[k * size : (k + 1) * size].tolist()
 
 
 def sft_update(model, optimizer, batch: list, micro: int, args: Args, run, pad_id: int):
-    """One optimiser step on this process's share of `batch` in micro-batches of `micro`, the loss the token mean
-    over the global batch -> (this process's summed NLL, the global completion tokens, grad norm)."""
+    """One optimiser step on this process's share of `batch`, `micro` rows at a time, of the token mean loss over
+    the global batch -> (this process's NLL sum, global completion tokens, grad norm)."""
     n_tokens = sum(sum(t != -100 for t in labels[1:]) for _, labels in batch)
     accum = args.gradient_accumulation_steps
-    mine = batch[run.rank * micro * accum :][: micro * accum]
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
     nll_sum = 0.0
     for k in range(accum):
-        ids, mask, labels = (t.to(run.device) for t in collate(mine[k * micro : (k + 1) * micro], pad_id))
+        ids, mask, labels = (t.to(run.device) for t in collate(batch[(run.rank * accum + k) * micro :][:micro], pad_id))
         with (model.no_sync() if k < accum - 1 and hasattr(model, "no_sync") else torch.enable_grad()), autocast:
             nll, _ = completion_only_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
             (nll * run.world / n_tokens).backward()  # x world: DDP averages the gradients
@@ -242,9 +237,9 @@ def main(args: Args) -> dict:
     # 0. Check every input first (--resume: the run's own arguments).
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
-    run = Run(args, overrides, shown=("train/loss", "eval/accuracy"))
+    run = Run(args, overrides, ("train/loss", "eval/accuracy"))
 
-    # 1. Data: prompt + completion + EOS rows, the prompt masked out of the loss; eval prompts and answers.
+    # 1. Data: prompt + completion + EOS rows, the prompt masked out of the loss; the eval split.
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path or args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     flags = "--prompt-column/--completion-column/--answer-column"
@@ -255,39 +250,39 @@ def main(args: Args) -> dict:
         ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], flags)[: args.eval_limit]
         eval_prompts, eval_answers = ev[args.prompt_column], ev[args.answer_column]
 
-    # 2. Model: fresh or pretrained, if the data fit its context; under torchrun DDP or FSDP2.
+    # 2. Model, fresh or pretrained, if the data fit its context; under torchrun DDP or FSDP2.
     model = make_model(args, tokenizer, eval_prompts).to(run.device)
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    raw_model = model
+    trained = model
     if run.fsdp:
-        model = run.shard(model, decoder_layers(model))
+        trained = run.shard(model, decoder_layers(model))
     elif run.ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        trained = torch.nn.parallel.DistributedDataParallel(model)
 
-    # 3. Optimiser and schedule; on --resume the weights, then all their states.
-    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
+    # 3. Optimiser and schedule; --resume loads the weights, then their states.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
-    run.trained = (model, optimizer)  # what --fsdp checkpoints in shards
+    run.trained = (trained, optimizer)  # what --fsdp checkpoints in shards
     lr_anchor = None
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
-    lr_anchor = run.restore(raw_model, optimizer, scheduler).get("lr_anchor")
-    if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
-        lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0], args.lr_schedule,
-                                          lr_anchor))
+    lr_anchor = run.restore(model, optimizer, scheduler).get("lr_anchor")
+    if "total_steps" in overrides:  # the decay goes on from here to the new last step
+        old_total = overrides["total_steps"][0]
+        lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, lr_anchor))
 
     def measure() -> tuple[dict, list]:
         if not eval_prompts:
             return {}, []
-        acc, samples = greedy_accuracy(raw_model, tokenizer, eval_prompts, eval_answers, args.max_new_tokens, eos_ids,
+        acc, samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers, args.max_new_tokens, eos_ids,
                                        run.progress)
         return {"eval/accuracy": acc}, samples
 
     def save() -> Path:
-        return run.checkpoint(raw_model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
-                                                     "scheduler": scheduler.state_dict(), "lr_anchor": lr_anchor}, {})
+        return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
+                                                 "scheduler": scheduler.state_dict(), "lr_anchor": lr_anchor}, {})
 
     # 4. Train.
     run.say(f"run directory: {run.dir}  |  {len(examples)} training rows, {len(eval_prompts)} eval prompts")
@@ -298,27 +293,27 @@ def main(args: Args) -> dict:
             # 4a. The step's global batch; each process keeps its share.
             batch = [examples[i] for i in batch_indices(step, len(examples), args.batch_size, args.seed)]
             # 4b. One optimiser step on the completion-only loss.
-            nll_sum, n_tokens, grad_norm = sft_update(model, optimizer, batch, micro, args, run, tokenizer.pad_token_id)
+            nll, n_tokens, grad_norm = sft_update(trained, optimizer, batch, micro, args, run, tokenizer.pad_token_id)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's update
             scheduler.step()
             seconds = time.perf_counter() - t0
 
             # 4c. Log the metrics.
             if step % args.log_every == 0 or step == args.total_steps:
-                loss = float(run.gather(torch.tensor([nll_sum], device=run.device)).sum()) / n_tokens
+                loss = float(run.gather(torch.tensor([nll], device=run.device)).sum()) / n_tokens
                 final = {"step": step, "train/loss": loss, "train/grad_norm": float(grad_norm), "train/lr": lr,
                          "perf/step_s": seconds, "perf/tokens_per_s": sum(len(ids) for ids, _ in batch) / seconds}
                 run.log(final)
 
-    # 5. Final evaluation, a checkpoint, the trained model in final/ (and in --final-dir).
-    out = run.finish(final, measure, save, raw_model, tokenizer)
+    # 5. Final evaluation, a checkpoint, the model in final/ (and --final-dir).
+    out = run.finish(final, measure, save, model, tokenizer)
     if run.rank == 0 and args.final_dir and not out["interrupted"]:
-        save_pretrained(Path(args.final_dir), raw_model, tokenizer)
+        save_pretrained(Path(args.final_dir), model, tokenizer)
     return out
 
 
 def check_args(args: Args) -> int:
-    """Every check that needs no model or data loading, before any work; -> the micro-batch each process uses."""
+    """Checks that need no loading, before any work -> the micro-batch each process uses."""
     check_common(args, ("total_steps", "batch_size", "gradient_accumulation_steps", "max_length", "log_every",
                         "max_new_tokens", "learning_rate"), ("eval_every", "save_every", "warmup_steps", "eval_limit"),
                  () if args.model_config else (args.model_name_or_path,))  # a fresh model loads no weights

@@ -16,7 +16,7 @@ proxy (learned, whitened) reward against the KL per completion, the over-optimis
 (arXiv:2210.10760, Fig. 1), for every recipe run.
 
     python benchmarks/rlhf_pipeline.py                                  # onpolicy_clip, seeds 1 2 3
-    python benchmarks/rlhf_pipeline.py --recipes iterated --seeds 2     # docs/reward_model.md's five commands
+    python benchmarks/rlhf_pipeline.py --recipes iterated --seeds 2     # docs/rlhf_pipeline.md's five commands
     python benchmarks/rlhf_pipeline.py --recipes synthetic onpolicy --seeds 1 --ppo-flags="--total-steps 150"
     python benchmarks/rlhf_pipeline.py --recipes synthetic --seeds 1 --summarize-only \
         --runs "clipped, 600 steps=runs/<ppo run>" --plot docs/rlhf_overoptimisation.png     # other runs beside

@@ -7,10 +7,11 @@ import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, train_rows
+from conftest import read_metrics, short_gpt2, train_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -184,7 +185,8 @@ def test_packed_logprobs_equal_float64_reference_and_the_plain_gradient(tiny, at
         got = dpo.packed_logprobs(model.eval(), *dpo.pack_completions(pairs, pad_id=0))
     rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
     assert got.double().tolist() == pytest.approx(reference_sums(model, rows), abs=1e-5)
-    assert dpo.check_packing(model, lambda packed: dpo.pair_logprobs(model, pairs, 0, packed)) is None
+    packing = SimpleNamespace(args=SimpleNamespace(pack_pairs=True), say=pytest.fail)  # a notice fails the test
+    assert dpo.use_packing(packing, model, lambda packed: dpo.pair_logprobs(model, pairs, 0, packed))
 
     grads = []
     for logprobs, collate in ((dpo.sequence_logprobs, dpo.collate_completions), (dpo.packed_logprobs, dpo.pack_completions)):
@@ -224,9 +226,14 @@ def test_packed_and_plain_runs_train_alike_and_a_failed_check_falls_back(tiny, t
                                              ("robust", {"label_smoothing": 0.2}),
                                              ("simpo", {"beta": 2.0, "rpo_alpha": 0.0}),
                                              ("sigmoid", {"lora_r": 4, "learning_rate": 5e-2})])
-def test_few_step_run_writes_the_run_directory(tiny, tmp_path, loss_type, extra):
+def test_few_step_run_writes_the_run_directory(tiny, tmp_path, capsys, loss_type, extra):
+    """A few steps of each loss: the run directory, TRL's metric names, checkpoints, a loadable final/. At step 0,
+    where the policy is the reference (simpo has none), the evaluation says that the 8 held-out pairs all tie and
+    that a tie counts as wrong; at the end it does not."""
     out = dpo.main(tiny_args(tiny, tmp_path, loss_type=loss_type, total_steps=3, save_every=2, **extra))
     run = Path(out["run_dir"])
+    said, tied = capsys.readouterr().out, "eval/pref_accuracy 0: all 8 pairs tied (margin 0), and a tie counts as wrong"
+    assert said.count(tied) == said.count(tied + "\neval at step 0: ") == (loss_type != "simpo")
     assert json.loads((run / "args.json").read_text())["loss_type"] == loss_type
     rows = train_rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -339,8 +346,8 @@ def test_a_column_missing_from_the_whole_split_is_named_with_the_flag(tiny, tmp_
     ({"loss_type": "hinge", "label_smoothing": 0.1}, "for --loss-type hinge: 0 only"),
     ({"loss_type": "ipo", "label_smoothing": -0.1}, "for --loss-type ipo: 0 only"),
     ({"loss_type": "simpo", "precompute_ref_logps": True}, "simpo is reference-free: --precompute-ref-logps"),
-    ({"beta": 0.0}, "--beta must be > 0, got 0.0"),
-    ({"beta": -0.1}, "--beta must be > 0, got -0.1"),
+    ({"beta": 0.0}, "--beta must be positive, got 0.0"),
+    ({"beta": -0.1}, "--beta must be positive, got -0.1"),
     ({"rpo_alpha": -1.0}, "--rpo-alpha must be >= 0"),
     ({"batch_size": 6, "micro_batch_size": 4}, "use --micro-batch-size 3"),
     ({"pref_eval_split": "nope"}, "has no nope.jsonl"),
@@ -351,6 +358,41 @@ def test_bad_flags_fail_before_any_work(tiny, tmp_path, overrides, message):
         dpo.main(tiny_args(tiny, tmp_path, **overrides))
     assert message in str(e.value)
     assert not any(tmp_path.iterdir())  # no run directory was created
+
+
+def test_a_folder_without_prefs_jsonl_trains_on_its_train_jsonl(tiny, tmp_path, capsys):
+    """--dataset-split left at prefs, on a folder with pairs in train.jsonl and no prefs.jsonl: the run trains on
+    train.jsonl, says so in one line, and records the split in args.json, which a resume reads."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(tiny / "data" / "prefs.jsonl", data / "train.jsonl")
+    out = dpo.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), eval_split=None, pref_eval_split=None,
+                             total_steps=1))
+    assert capsys.readouterr().out.count(f"{data} has no prefs.jsonl: training on its train.jsonl") == 1
+    assert json.loads((Path(out["run_dir"]) / "args.json").read_text())["dataset_split"] == "train"
+    resumed, _ = dpo.resume_args(dpo.Args(resume=str(Path(out["run_dir"]) / "checkpoints" / "step_1"), total_steps=2),
+                                 dpo.RESUME_MAY_CHANGE)
+    assert resumed.dataset_split == "train"
+    with pytest.raises(ValueError, match=r"has no other.jsonl"):  # a split named on the command line: no fallback
+        dpo.main(tiny_args(tiny, tmp_path / "out2", dataset=str(data), dataset_split="other", eval_split=None,
+                           pref_eval_split=None))
+
+
+def test_the_greedy_evaluation_fits_the_model_context(tiny, tmp_path):
+    """The longest eval prompt, tokenised as greedy_accuracy does, and --max-completion-length must fit the model's
+    positions (GPT-2's n_positions): one position short is refused naming the flag, before a run directory exists;
+    at exactly the limit a step runs (the training pairs cut to fit too)."""
+    from transformers import AutoTokenizer
+
+    prompts = [json.loads(line)["prompt"] for line in (tiny / "data" / "test.jsonl").read_text().splitlines()][:4]
+    longest = max(map(len, AutoTokenizer.from_pretrained(tiny / "model")(prompts, add_special_tokens=False).input_ids))
+    kw = {"max_completion_length": 8, "max_prompt_length": longest, "total_steps": 1}
+    with pytest.raises(ValueError, match=rf"a {longest}-token prompt and --max-completion-length 8 exceed the model's "
+                                         rf"{longest + 7} positions: pass --max-completion-length 7 or less"):
+        dpo.main(tiny_args(tiny, tmp_path / "short", model_name_or_path=short_gpt2(tmp_path / "m1", longest + 7), **kw))
+    assert not (tmp_path / "short").exists()
+    out = dpo.main(tiny_args(tiny, tmp_path / "fits", model_name_or_path=short_gpt2(tmp_path / "m2", longest + 8), **kw))
+    assert out["step"] == 1 and "eval/accuracy" in out
 
 
 def test_micro_batch_defaults_to_the_largest_divisor_up_to_64(tiny, tmp_path):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, train_rows
+from conftest import read_metrics, short_gpt2, train_rows
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybrid
 import sft
@@ -217,11 +217,13 @@ def ppo_only(tiny, tmp_path, **kw) -> hybrid.Args:
                                         "prompts_per_step": 16, "learning_rate": 1e-2, "eval_split": None, **kw})
 
 
-def test_train_kl_is_that_of_the_policy_from_the_reference(tiny, tmp_path):
+def test_train_kl_is_that_of_the_policy_from_the_reference(tiny, tmp_path, capsys):
     """k1 = log pi_old - log pi_ref on pi_old's samples has mean KL(pi_old || pi_ref) >= 0: 0 at the first step (the
     policy is the reference), positive once the policy moved. The arguments swapped give -KL; the reference aliased to
-    the policy gives 0 throughout."""
+    the policy gives 0 throughout. The progress line shows it (without the KL term, beta = 0, it does not: below)."""
     rows = train_rows(hybrid.main(ppo_only(tiny, tmp_path, total_steps=4, beta=0.05, kl_estimator="k1"))["run_dir"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 4 and all("| reward " in line and "| kl " in line for line in lines), lines
     assert abs(rows[0]["train/kl"]) < 1e-4
     assert all(r["train/kl"] > 1e-3 for r in rows[1:]), [r["train/kl"] for r in rows]
     assert all(r["train/non_score_reward"] == pytest.approx(-0.05 * r["train/kl"]) for r in rows)
@@ -405,15 +407,18 @@ def test_learning_sft_steps_fit_the_demonstrations(tiny, tmp_path):
     assert statistics.fmean(losses[-5:]) < statistics.fmean(losses[:5]) - 1.0
 
 
-def test_learning_ppo_steps_raise_the_reward(tiny, tmp_path):
+def test_learning_ppo_steps_raise_the_reward(tiny, tmp_path, capsys):
     """PPO only (fraction 0) with the `capitalization` reward on the random tiny model (conftest): the mean reward
-    of the last 5 of 30 steps beats the first 5 by 0.2. A wrong sign, or advantages on the wrong tokens, fail."""
+    of the last 5 of 30 steps beats the first 5 by 0.2. A wrong sign, or advantages on the wrong tokens, fail. With
+    beta = 0, train/kl is 0 by construction: the progress line leaves it out."""
     out = hybrid.main(tiny_args(tiny, tmp_path, total_steps=30, sft_fraction_start=0.0, sft_fraction_end=0.0,
                                 reward="capitalization", prompts_per_step=32, learning_rate=1e-2, beta=0.0,
                                 eval_split=None, value_head_lr=1e-2))
     rewards = [r["train/reward"] for r in train_rows(out["run_dir"])]
     assert len(rewards) == 30
     assert statistics.fmean(rewards[-5:]) > statistics.fmean(rewards[:5]) + 0.2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 30 and all("| reward " in line and "| kl " not in line for line in lines), lines[:2]
 
 
 def test_resume_restores_the_value_head_and_the_kl_controller_and_refuses_total_steps(tiny, tmp_path):
@@ -468,6 +473,23 @@ def test_bad_input_fails_before_any_work(tiny, tmp_path, monkeypatch, overrides,
         hybrid.main(tiny_args(tiny, tmp_path, **overrides))
     assert message in str(e.value)
     assert not any(tmp_path.iterdir())  # no run directory was created
+
+
+def test_prompts_and_completions_must_fit_the_context(tiny, tmp_path):
+    """Every prompt generation sees (RL prompts as --max-prompt-length keeps them, eval prompts whole) plus
+    --max-completion-length must fit the model's positions: one short is refused before any work, naming the flag."""
+    data = tmp_path / "data"
+    data.mkdir()
+    row = '{"prompt": "1+2+3+4+5+6+7=", "answer": "28", "completion": "<answer>28</answer>"}\n'
+    (data / "train.jsonl").write_text(row * 4)  # kept: its last 4 tokens
+    (data / "sft.jsonl").write_text(row * 4)
+    (data / "test.jsonl").write_text('{"prompt": "12+34=", "answer": "46"}\n')  # the longest prompt
+    longest = len(AutoTokenizer.from_pretrained(tiny / "model")("12+34=", add_special_tokens=False).input_ids)
+    with pytest.raises(ValueError, match=rf"a {longest}-token prompt and --max-completion-length 8 exceed the model's "
+                                         rf"{longest + 7} positions"):
+        hybrid.main(tiny_args(tiny, tmp_path / "runs", model_name_or_path=short_gpt2(tmp_path / "short", longest + 7),
+                              dataset=str(data), max_prompt_length=4))
+    assert not (tmp_path / "runs").exists()
 
 
 def test_rl_prompt_without_a_demonstration_names_the_fix(tiny, tmp_path):

@@ -7,9 +7,11 @@ import itertools
 import json
 import math
 import re
+import shlex
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -335,7 +337,8 @@ def test_packed_pairs_give_the_scores_and_gradients_of_separate_sequences(tiny, 
     plain, packed_grads = grads(False), grads(True)
     assert plain.keys() == packed_grads.keys()
     assert all(torch.allclose(packed_grads[n], plain[n], atol=1e-6, rtol=1e-4) for n in plain)
-    assert rm.check_packing(model, lambda p: rm.PairScorer(model, p)(*rm.pair_batch(pairs, 0, p, "cpu"))) is None
+    packing = SimpleNamespace(args=SimpleNamespace(pack_pairs=True), say=pytest.fail)  # a notice fails the test
+    assert rm.use_packing(packing, model, lambda p: rm.PairScorer(model, p)(*rm.pair_batch(pairs, 0, p, "cpu")))
 
 
 def test_a_model_that_cannot_take_the_packed_mask_is_scored_unpacked(tiny, tmp_path, monkeypatch, capsys):
@@ -353,8 +356,10 @@ def test_a_model_that_cannot_take_the_packed_mask_is_scored_unpacked(tiny, tmp_p
     model = AutoModelForSequenceClassification.from_pretrained(tiny / "model", num_labels=1)
     pairs = rm.tokenize_pairs(AutoTokenizer.from_pretrained(tiny / "model"), ["1+1=", "2+2="],
                               ["<answer>2</answer>"] * 2, ["<answer>3</answer>"] * 2, None, 64, "x")[0]
-    why = rm.check_packing(model, lambda p: rm.PairScorer(model, p)(*rm.pair_batch(pairs, 0, p, "cpu")))
-    assert why is not None and "differ from its plain ones" in why
+    said = []
+    packing = SimpleNamespace(args=SimpleNamespace(pack_pairs=True), say=said.append)
+    assert not rm.use_packing(packing, model, lambda p: rm.PairScorer(model, p)(*rm.pair_batch(pairs, 0, p, "cpu")))
+    assert len(said) == 1 and "differ from its plain ones" in said[0]
     fallback = rm.main(tiny_args(tiny, tmp_path / "fallback", eval_split=None))
     assert "--pack-pairs: chosen and rejected in rows of their own" in capsys.readouterr().out
     assert fallback["train/loss"] == plain["train/loss"] and fallback["train/grad_norm"] == plain["train/grad_norm"]
@@ -462,25 +467,51 @@ def test_learning_on_the_embedded_task(tmp_path):
     assert evals[1] >= 0.7 and evals[1] >= evals[0] + 0.08
 
 
-def test_instructgpt_pipeline_the_five_commands(tmp_path):
-    """docs/reward_model.md's five commands at a tiny budget, on the embedded task: sft.py; reward_model.py
-    --comparisons (the SFT model's samples, ranked by correctness: a preference has a right chosen and a wrong rejected
-    answer, a tie two of one kind) trained as pairs, Bradley-Terry then the ties, in micro-batches; ppo.py --reward
-    <rm>/final/reward.json --gold-reward, its score centred per prompt, a one-layer critic, the sampler's log-probs,
-    in micro-batches, paused after step 1 of 2:
-    PPO's reward is the reward model's alone, the rule reward is logged beside it; reward_model.py again, from the
-    first reward model, on comparisons of the paused policy's samples; ppo.py resumed against that one."""
+def pipeline_commands() -> list[list[str]]:
+    """docs/rlhf_pipeline.md's recipe: the first bash block after '## The recipe', one argv per command."""
+    block = (ROOT / "docs/rlhf_pipeline.md").read_text().split("## The recipe")[1].split("```bash\n")[1].split("```")[0]
+    return [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+# Appended to each documented command (the last value of a flag wins): a tiny budget. sft.py goes on from
+# models/tiny-arith at its default rate, so that its samples are right often enough to make preferences; PPO
+# pauses at step 1.
+TINY = {"sft.py": "--model-config None --learning-rate 3e-4 --total-steps 2 --batch-size 8 --eval-split None "
+                  "--warmup-steps 0",
+        "reward_model.py": "--comparisons 4 --comparison-prompts 24 --tie-start-step 2 --total-steps 3 --batch-size 4 "
+                           "--micro-batch-size 2 --eval-limit 16 --eval-every 0 --warmup-steps 0",
+        "ppo.py": "--prompts-per-step 2 --micro-batch-size 4 --total-steps 2 --pause-at-step 1 --eval-split None "
+                  "--warmup-steps 0"}
+TINY_RM2 = "--tie-start-step 0 --total-steps 2"  # the second reward model: 2 steps, no --tie-start-step of its own
+
+
+def test_instructgpt_pipeline_the_five_commands(tmp_path, monkeypatch):
+    """docs/rlhf_pipeline.md's five commands as written, run in a fresh folder (data/ and models/ linked in) with a
+    tiny budget appended: sft.py into runs/sft; reward_model.py --comparisons (the SFT model's samples, ranked by
+    correctness: a preference has a right chosen and a wrong rejected answer, a tie two of one kind) trained as
+    pairs, Bradley-Terry then the ties, in micro-batches, into runs/rm; ppo.py --reward runs/rm/final/reward.json
+    with the gold reward beside it, its score centred per prompt, a one-layer critic, in micro-batches, paused after
+    step 1 in runs/ppo: PPO's reward is the reward model's alone; reward_model.py again, from the first reward model,
+    on comparisons of the paused policy's samples, into runs/rm2; ppo.py resumed against that one."""
     import ppo
     import sft
+    import tyro
 
-    sft_out = sft.main(sft.Args(output_dir=str(tmp_path / "sft"), total_steps=2, batch_size=8, eval_split=None,
-                                warmup_steps=0))
-    policy = str(Path(sft_out["run_dir"]) / "final")
-    rm_out = rm.main(rm.Args(model_name_or_path=policy, comparisons=4, comparison_prompts=24, dataset_split="train",
-                             comparison_rankings=False, tie_strength=1.0, tie_start_step=2, output_dir=str(tmp_path / "rm"),
-                             total_steps=3, batch_size=4, micro_batch_size=2, eval_limit=16, eval_every=0,
-                             warmup_steps=0))
-    run = Path(rm_out["run_dir"])
+    for folder in ("data", "models"):
+        (tmp_path / folder).symlink_to(ROOT / folder)
+    monkeypatch.chdir(tmp_path)
+    commands = pipeline_commands()
+    assert [argv[1] for argv in commands] == ["sft.py", "reward_model.py", "ppo.py", "reward_model.py", "ppo.py"]
+    outs = []
+    for n, argv in enumerate(commands):
+        argv = [a.replace("checkpoints/step_150", "checkpoints/step_1") for a in argv[2:]]
+        tiny = "" if "--resume" in argv else TINY[commands[n][1]] + (" " + TINY_RM2) * (n == 3)
+        module = {"sft.py": sft, "reward_model.py": rm, "ppo.py": ppo}[commands[n][1]]
+        outs.append(module.main(tyro.cli(module.Args, args=argv + tiny.split())))
+    sft_out, rm_out, paused_out, rm2_out, out = outs
+
+    run = tmp_path / "runs" / "rm"
+    assert (tmp_path / "runs/sft/model.safetensors").exists() and rm_out["run_dir"] == "runs/rm"
     pairs, train = read_jsonl(run / "comparisons.jsonl"), read_jsonl(ROOT / "data/arith/train.jsonl")[:24]
     assert pairs and {p["k"] for p in pairs} == {4} and {p["ranking"] for p in pairs} <= set(range(24))
     for p in pairs:
@@ -494,27 +525,16 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path):
     check_advantage_signal_benchmark(run)
     spec = json.loads((run / "final" / "reward.json").read_text())
     assert spec == {"type": "reward_model", "model": str((run / "final").resolve()), "normalize": True}
-    out = ppo.main(ppo.Args(model_name_or_path=policy, reward=str(run / "final" / "reward.json"),
-                            gold_reward="correctness", num_generations=4, prompts_per_step=2,
-                            center_scores_per_prompt=True, value_model_layers=1,
-                            micro_batch_size=4, output_dir=str(tmp_path / "ppo"), total_steps=2, pause_at_step=1,
-                            eval_split=None, warmup_steps=0))
-    paused = Path(out["run_dir"]) / "checkpoints" / "step_1"
-    assert out["interrupted"] and out["step"] == 1 and (paused / "trainer_state.pt").exists()
-    rm2 = rm.main(rm.Args(model_name_or_path=str(run / "final"), policy=str(paused), comparisons=4, comparison_prompts=24,
-                          dataset_split="train", comparison_rankings=False, tie_strength=1.0,
-                          output_dir=str(tmp_path / "rm2"), total_steps=2, batch_size=4, micro_batch_size=2,
-                          eval_limit=16, eval_every=0, warmup_steps=0, learning_rate=3e-4))
-    rm2_spec = str(Path(rm2["run_dir"]) / "final" / "reward.json")
-    assert read_jsonl(Path(rm2["run_dir"]) / "comparisons.jsonl")
-    out = ppo.main(ppo.Args(resume=str(paused), reward=rm2_spec))
-    rows = train_rows(out["run_dir"])
-    assert [r["step"] for r in rows] == [1, 2] and not out["interrupted"]
-    resumed = json.loads((Path(out["run_dir"]) / "args.json").read_text())["resumed"]
-    assert resumed[0]["overrides"]["reward"] == [str(run / "final" / "reward.json"), rm2_spec]
-    for r in rows:  # the learned reward alone is trained on, less each prompt's mean; the gold one is a mean of
-        assert math.isfinite(r["rewards/reward_model"]) and abs(r["train/reward"]) < 1e-5  # correctness's 1 and -0.5
-        assert any(r["rewards/gold"] == pytest.approx((1.5 * n - 4) / 8) for n in range(9))
+    paused = tmp_path / "runs/ppo/checkpoints/step_1"
+    assert paused_out["interrupted"] and paused_out["step"] == 1 and (paused / "trainer_state.pt").exists()
+    assert read_jsonl(tmp_path / "runs/rm2/comparisons.jsonl") and rm2_out["step"] == 2
+    rows = train_rows(tmp_path / "runs/ppo")
+    assert out["run_dir"] == "runs/ppo" and [r["step"] for r in rows] == [1, 2] and not out["interrupted"]
+    resumed = json.loads((tmp_path / "runs/ppo/args.json").read_text())["resumed"]
+    assert resumed[0]["overrides"]["reward"] == ["runs/rm/final/reward.json", "runs/rm2/final/reward.json"]
+    for r in rows:  # the learned reward alone is trained on, less each prompt's mean; the gold one is the fraction
+        assert math.isfinite(r["rewards/reward_model"]) and abs(r["train/reward"]) < 1e-5  # of the 8 samples right
+        assert any(r["rewards/gold"] == pytest.approx(n / 8) for n in range(9))
 
 
 def check_calibration_benchmark(run: Path) -> None:
@@ -621,6 +641,20 @@ def test_bad_data_fails_before_any_work(tiny, tmp_path, rows, overrides, message
     with pytest.raises(ValueError, match=message):
         rm.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), eval_split=None, **overrides))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_without_prefs_jsonl_trains_on_its_train_jsonl(tiny, tmp_path, capsys):
+    """--dataset-split left at prefs, on a folder with pairs in train.jsonl and no prefs.jsonl: the run trains on
+    train.jsonl, says so in one line, and records the split in args.json, which a resume reads."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(tiny / "data" / "prefs.jsonl", data / "train.jsonl")
+    out = rm.main(tiny_args(tiny, tmp_path / "out", dataset=str(data), eval_split=None, total_steps=1))
+    assert capsys.readouterr().out.count(f"{data} has no prefs.jsonl: training on its train.jsonl") == 1
+    assert json.loads((Path(out["run_dir"]) / "args.json").read_text())["dataset_split"] == "train"
+    resumed, _ = rm.resume_args(rm.Args(resume=str(Path(out["run_dir"]) / "checkpoints" / "step_1"), total_steps=2),
+                                rm.RESUME_MAY_CHANGE)
+    assert resumed.dataset_split == "train"
 
 
 def test_comparisons_check_the_eval_split_for_the_labelers_columns_first(tiny, tmp_path):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics
+from conftest import read_metrics, short_gpt2
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,7 +89,7 @@ def test_gradient_accumulation_gives_the_one_batch_update(tiny):
     """The loss is the token mean over the whole step: 4 micro-batches of 2 make the update one batch of 8 makes."""
     tok = AutoTokenizer.from_pretrained(tiny / "model")
     rows = [json.loads(line) for line in (tiny / "data" / "sft.jsonl").read_text().splitlines()[:8]]
-    batch = sft.make_examples(tok, [r["prompt"] for r in rows], [r["completion"] for r in rows], sft.Args(batch_size=8))
+    batch = sft.make_examples(tok, {k: [r[k] for r in rows] for k in ("prompt", "completion")}, sft.Args(batch_size=8))
     assert len({len(ids) for ids, _ in batch}) > 1  # padding differs between micro-batches and the whole batch
     flat = lambda model: torch.cat([p.detach().flatten() for p in model.parameters()])  # noqa: E731
     start, weights, losses = flat(AutoModelForCausalLM.from_pretrained(tiny / "model")), [], []
@@ -99,7 +99,7 @@ def test_gradient_accumulation_gives_the_one_batch_update(tiny):
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         run = SimpleNamespace(rank=0, world=1, device=torch.device("cpu"))
         nll, n_tokens, _ = sft.sft_update(model, optimizer, batch, 8 // accum, sft.Args(gradient_accumulation_steps=accum),
-                                          run, tok.pad_token_id, torch.enable_grad())
+                                          run, tok.pad_token_id)
         losses.append(nll / n_tokens)
         weights.append(flat(model))
     assert n_tokens == sum(sum(t != -100 for t in labels[1:]) for _, labels in batch)
@@ -176,6 +176,26 @@ def test_bad_input_fails_before_training(tiny, tmp_path, change, message):
         sft.main(tiny_args(tiny, tmp_path, **change))
     assert message in str(err.value)
     assert not list(tmp_path.glob("*/metrics.jsonl"))
+
+
+def test_the_evaluation_and_the_training_rows_must_fit_the_context(tiny, tmp_path):
+    """The eval prompts (as greedy_accuracy tokenises them) + --max-new-tokens, and --max-length, must fit the model's
+    positions: one short is refused before any work (a GPT-2 would index past its position table); at the limit a
+    run completes."""
+    tok = AutoTokenizer.from_pretrained(tiny / "model")
+    eval_prompts = [json.loads(r)["prompt"] for r in (tiny / "data" / "test.jsonl").read_text().splitlines()[:4]]
+    longest = max(len(tok(p, add_special_tokens=False).input_ids) for p in eval_prompts)
+    short = short_gpt2(tmp_path / "short", longest + 7)
+    with pytest.raises(ValueError, match=rf"a {longest}-token prompt and --max-new-tokens 8 exceed the model's "
+                                         rf"{longest + 7} positions"):
+        sft.main(tiny_args(tiny, tmp_path / "a", model_name_or_path=short, max_length=longest + 7))
+    with pytest.raises(ValueError, match=rf"--max-length {longest + 8} exceed the model's {longest + 7} positions: "
+                                         rf"pass --max-length {longest + 7} or less"):
+        sft.main(tiny_args(tiny, tmp_path / "a", model_name_or_path=short, max_length=longest + 8, eval_split=None))
+    assert not (tmp_path / "a").exists()
+    fits = short_gpt2(tmp_path / "fits", longest + 8)
+    out = sft.main(tiny_args(tiny, tmp_path / "b", model_name_or_path=fits, max_length=longest + 8, total_steps=1))
+    assert out["step"] == 1 and "eval/accuracy" in out
 
 
 def test_a_fresh_model_needs_no_model_folder_only_a_tokenizer(tiny, tmp_path):
