@@ -801,7 +801,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
     """Counts, device, model folders and --fsdp, before any work."""
-    for name in positive + non_negative:
+    for name in positive + non_negative + ("save_every_minutes",):
         low = name in positive and getattr(args, name) <= 0
         if low or getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be {'positive' if low else '>= 0'}, "
@@ -953,6 +953,7 @@ class Run:
 
     def restore(self, model, optimizer, scheduler) -> dict:
         """--resume: weights (shards, LoRA adapters or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
+        self.trained[0].train()  # from_pretrained leaves eval mode, where gradient checkpointing is off
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -1151,13 +1152,11 @@ class Run:
             self.report()
             if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
                 self.evaluate(measure)
-            minutes = self.args.save_every_minutes and time.time() - self.saved_at > 60 * self.args.save_every_minutes
-            stop = max(int(self.stop), self.signal)  # (a signal during the all_reduce counts at the next step)
+            minutes = time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
+            flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
             if self.ddp:  # every process stops (or saves) at the same step, even if the signal reached them apart
-                flags = torch.tensor([float(stop), float(minutes)], device=self.device)
-                dist.all_reduce(flags, dist.ReduceOp.MAX)
-                stop, minutes = int(flags[0]), bool(flags[1])
-            self.stop = stop
+                dist.all_reduce(flags, dist.ReduceOp.MAX)  # (a signal arriving during it counts at the next step)
+            self.stop, minutes = int(flags[0]), bool(flags[1])
             if self.stop or minutes or self.args.save_every and self.step % self.args.save_every == 0:
                 save()
             if self.stop:

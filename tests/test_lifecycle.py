@@ -287,6 +287,7 @@ BAD = [
     ({"total_steps": 0}, "--total-steps must be positive, got 0"),
     ({"learning_rate": -1.0}, "--learning-rate must be positive"),
     ({"save_every": -1}, "--save-every must be >= 0"),
+    ({"save_every_minutes": -1.0}, "--save-every-minutes must be >= 0"),
 ]
 
 
