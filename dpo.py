@@ -19,7 +19,7 @@ Deviations (why, and the measurements: docs/dpo.md):
 - One row per pair, the shared prefix once (`--pack-pairs`, arXiv:2410.20305), checked at start against plain rows.
 - Log-probs come from the last hidden states and the lm_head: no [B, T, V] logits.
 - Completions are tokenised alone + EOS; long prompts keep their last tokens, long completions lose their end.
-- Dropout is off; eval/pref_accuracy counts ties as wrong, as TRL does (0 at step 0).
+- Dropout is off; eval/pref_accuracy counts ties as wrong (0 at step 0).
 """
 
 import contextlib
@@ -169,7 +169,7 @@ class Args:
 
 
 def pair_logratios(policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens,
-                   loss_type: str, ipo_logps: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+                   loss_type: str, ipo_logps: str = "mean") -> tuple:
     """d's two terms, all [B] -> (chosen, rejected): log pi(y|x) - log pi_ref(y|x) (Eq. 7 of arXiv:2305.18290); ipo
     with "mean": per token (TRL); simpo: log pi(y|x) / |y| (Eq. 6 of arXiv:2405.14734; ref_* may be None)."""
     if loss_type == "simpo":
@@ -227,7 +227,7 @@ def pair_logprobs(model, pairs: list, pad_id: int, packed: bool) -> torch.Tensor
 
 def collate_completions(pairs: list, pad_id: int):
     """(prompt, chosen, rejected) token lists -> ids, attention mask, completion mask, each [2B, T] right-padded:
-    the B prompt + chosen rows, then the B prompt + rejected rows."""
+    prompt + chosen rows, then prompt + rejected rows."""
     rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p + c) for p, c in rows], True, pad_id)
     col = torch.arange(ids.shape[1])
@@ -283,7 +283,7 @@ def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
 @torch.no_grad()
 def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
     """--pack-pairs, unless forward(packed) of a few pairs, packed against plain in eval mode, shows the model cannot
-    use it (e.g. an attention that ignores custom 4D masks): then rows of their own, with a notice saying why."""
+    use it (e.g. an attention that ignores custom 4D masks): then rows of their own, with a notice."""
     if not run.args.pack_pairs:
         return False
     was_training = model.training
@@ -315,8 +315,8 @@ def optimizer_and_schedule(args, run, trained, model, overrides: dict) -> tuple:
     state = run.restore(model, optimizer, scheduler)
     anchor[0] = state.get("lr_anchor")
     if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
-        old_total = overrides["total_steps"][0]
-        anchor[0] = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, anchor[0]))
+        old = lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0], args.lr_schedule, anchor[0])
+        anchor[0] = (run.start, old)
     return optimizer, scheduler, anchor, state
 
 
@@ -346,19 +346,20 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
         return f"'tie' is {row['tie']!r}: it must be true (a tie) or false (chosen is better)"
     if margin and (isinstance(row[margin], bool) or not isinstance(row[margin], (int, float))):
         return f"margin '{margin}' is {row[margin]!r}, not a number"
-    return None
 
 
 def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
     """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
     work: a bad row is one line naming the file and line (a hub split: its row). The default --dataset-split prefs of
-    a folder without prefs.jsonl is its train.jsonl (said, and recorded in args.json)."""
+    a folder without prefs.jsonl is its train.jsonl if that holds pairs (said; args.json records it)."""
     path = Path(args.dataset).expanduser()
-    if flag == "dataset_split" and args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and (
-            path / "train.jsonl").exists():
-        args.dataset_split = "train"
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"{path} has no prefs.jsonl: training on its train.jsonl (--dataset-split train)")
+    train = path / "train.jsonl"
+    if args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and train.exists():
+        with train.open() as f:
+            if f'"{args.chosen_column}"' in f.readline():
+                args.dataset_split = "train"
+        if args.dataset_split == "train" and int(os.environ.get("RANK", 0)) == 0:
+            print(f"{path} has no prefs.jsonl: training on its train.jsonl")
     split = getattr(args, flag)
     ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column or the flag naming it")
     where = f"{path / split}.jsonl, line" if path.is_dir() else f"{args.dataset}, split '{split}', row"
@@ -596,7 +597,7 @@ def main(args: Args) -> dict:
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
-            # 4a. The next batch of pairs in epoch order; every process draws the same indices and keeps its share.
+            # 4a. The next batch of pairs in epoch order; each process keeps its share of the same draw.
             rows = order.draw(args.batch_size)[run.rank * share : (run.rank + 1) * share]
             mine = [pairs[i] for i in rows]
             # 4b. Per micro-batch: chosen and rejected in one pass, the reference's log-probs (cached or a no-grad
@@ -700,8 +701,8 @@ CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_conf
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
-    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
+    """Keep only the special tokens of the checkpoint's generation_config, naming the fields dropped (generate fills
+    unset fields from it, e.g. a repetition_penalty, and would not sample softmax(logits / T)) -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -711,14 +712,13 @@ def own_generation_config(model, tokenizer) -> list[int]:
                                         pad_token_id=tokenizer.pad_token_id)
     CHECKPOINT_GENERATION_CONFIG["policy"] = old  # what save_pretrained writes: final/ keeps the checkpoint's own
     if dropped and int(os.environ.get("RANK", 0)) == 0:
-        print(f"{model.name_or_path}: its generation_config sets {', '.join(dropped)}; not used: this script's flags "
-              f"decide sampling and evaluation")
+        print(f"{model.name_or_path}: its generation_config's {', '.join(dropped)} not used: the flags decide")
     return eos
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
-    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
+    """The split --<flag> names (a folder's <split>.jsonl, a hub split; one file: a seeded 10% for eval, the rest for
+    training) with `columns`; bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -746,7 +746,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
-    if path.is_file() and any(splits.get(f) for f in splits if "eval" in f):
+    if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
             raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
@@ -813,8 +813,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
     for name in model_paths:
         path = Path(name).expanduser()
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
-                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+            raise ValueError(f"'{name}' is not a model folder: it has no config.json (save_pretrained writes one)")
     if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
     if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
@@ -895,15 +894,15 @@ def resume_args(args, may_change: tuple[str, ...]):
     out.resume = args.resume
     step = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False, mmap=True)["step"]
     if step >= out.total_steps:
-        raise ValueError(f"--resume {args.resume}: the run ended at this step (--total-steps {out.total_steps}), so "
-                         f"there is nothing to do; to train on, pass a larger --total-steps")
+        raise ValueError(f"--resume {args.resume}: the run ended here (--total-steps {out.total_steps}); to train on, "
+                         f"pass a larger --total-steps")
     return out, changed
 
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
-    gathered, `sharded` is moved in as sharded/.)"""
+    """A temporary folder, then renamed: a killed run never leaves half a checkpoint (--fsdp: `weights` gathered,
+    `sharded` moved in)."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -922,17 +921,16 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
+    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the
+    run fails before its first step ends), W&B, signals; the cadence, progress and summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        self.rank, self.world = 0, 1
         if self.ddp:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = getattr(args, "fsdp", False), [], None  # trained: (root, optimizer)
@@ -985,8 +983,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
-        in bfloat16, gradients reduced in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); on CUDA bfloat16
+        compute, float32 reduction."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1002,8 +1000,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
-        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
+        """--fsdp: the trained model's whole weights inside, so that sampling and evaluation need no collective per
+        decode step (processes may take different numbers of them)."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1133,8 +1131,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
-        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluations, checkpoints by --save-every(-minutes), and after a Ctrl-C or
+        SIGTERM a checkpoint and the end."""
         if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
             import wandb
 
@@ -1174,8 +1172,7 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
-        summary (each eval metric at the start and the end, `notes`)."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()

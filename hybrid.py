@@ -279,10 +279,9 @@ def sft_fraction(step: int, total_steps: int, start: float, end: float, curricul
 
 def step_kinds(total_steps: int, start: float, end: float, curriculum: str, seed: int) -> list[bool]:
     """Which steps are SFT steps -> [total_steps] bool (index s - 1 for step s): True where the running sum of the
-    fractions, shifted by a phase u in [0, 1) drawn from the seed, crosses an integer. Deterministic given the seed;
-    any window of steps holds the sum of its fractions, to within one, of SFT steps."""
-    phase = float(np.random.default_rng(seed).random())
-    kinds, cumulative = [], phase
+    fractions, shifted by a phase u in [0, 1) drawn from the seed, crosses an integer: any window of steps holds the
+    sum of its fractions, to within one, of SFT steps."""
+    kinds, cumulative = [], float(np.random.default_rng(seed).random())  # from the phase u
     for step in range(1, total_steps + 1):
         after = cumulative + sft_fraction(step, total_steps, start, end, curriculum)
         kinds.append(math.floor(after + 1e-9) > math.floor(cumulative + 1e-9))
@@ -311,8 +310,8 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
 
 def sft_step(actor_critic, optimizer, batch: list[tuple], run, micro: int, pad_id: int, max_grad_norm: float,
              autocast) -> tuple[dict, int]:
-    """One SFT step on the global `batch` of (ids, labels): the completion-only NLL divided by the batch's completion
-    tokens (sft.py's loss), this process's share in micro-batches, one optimiser update -> (metrics, tokens)."""
+    """One update on the global `batch` of (ids, labels) with sft.py's loss, the completion-only NLL over the batch's
+    completion tokens; this process's share in micro-batches -> (metrics, tokens)."""
     n_tokens = sum(sum(1 for t in labels[1:] if t != -100) for _, labels in batch)
     share = len(batch) // run.world
     mine = batch[run.rank * share : (run.rank + 1) * share]
@@ -338,20 +337,20 @@ def demonstration_targets(prompts: list, sft, args) -> list[str]:
     missing = [i for i, p in enumerate(prompts) if json.dumps(p) not in by_prompt]
     if missing:
         raise ValueError(f"{len(missing)} RL prompts have no demonstration in the SFT split '{args.sft_split}' (row "
-                         f"{missing[0]}: {prompts[missing[0]]!r}), and the reward needs one as `target`: give the RL "
-                         f"split a `target` column, or use a --reward without a reference-based component")
+                         f"{missing[0]}: {prompts[missing[0]]!r}) to be the reward's `target`: give the RL split a "
+                         f"`target` column, or use a --reward without one")
     return [by_prompt[json.dumps(p)] for p in prompts]
 
 
 # ---- PPO steps: ppo.py's code, verbatim (tests/test_hybrid.py holds them equal)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(x, mask):
     """Mean of x over the entries where mask is 1. x, mask: [B, T] -> scalar."""
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(x, mask, shift_mean: bool = True):
     """(x - mean) / std over the real entries, unbiased variance (as TRL); shift_mean=False adds the mean back.
     x, mask: [B, T] -> [B, T], 0 on padding."""
     mean, n = masked_mean(x, mask), mask.sum()
@@ -360,7 +359,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     return (whitened if shift_mean else whitened + mean) * mask
 
 
-def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+def per_token_rewards(scores, kl, mask, kl_coef: float):
     """-kl_coef KL_t at every real token, plus the score at the last one (Eq. 2 of arXiv:2203.02155 per token, as N+).
     scores: [B]; kl, mask: [B, T] -> rewards [B, T], 0 on padding."""
     rewards = -kl_coef * kl * mask
@@ -369,8 +368,7 @@ def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor
     return rewards
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards, values, mask, gamma: float, lam: float):
     """Eq. 16 of arXiv:1506.02438, V = A = 0 after the last real token; R_t = A_t + V_t.
     rewards, values, mask: [B, T] -> (advantages, returns) [B, T]."""
     rewards, values = rewards * mask, values * mask
@@ -384,8 +382,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, (advantages + values) * mask
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(values, old_values, returns, mask, cliprange_value: float):
     """PPO2's clipped value loss (kept by N+), 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token mean.
     values, old_values, returns, mask: [B, T] -> (loss, share of tokens where the clipped term won)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
@@ -414,14 +411,8 @@ class KLController:
         elif self.kind == "step" and kl < self.target / 1.5:
             self.value /= 1.5
 
-    def state_dict(self) -> dict:
-        return {"value": self.value}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+def explained_variance(values, returns, mask) -> float:
     """1 - Var(R - V) / Var(R) over real tokens (nan if R is constant). values, returns, mask: [B, T] -> float."""
     def variance(x):
         return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
@@ -511,8 +502,8 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
 
 
 def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
-    """The split's prompts tokenised once (keeping the last --max-prompt-length tokens), and the reward's keyword
-    arguments: the prompts and the columns it reads ({name: column}) -> {"ids", "texts", "columns"}."""
+    """The split's prompts tokenised once (their last --max-prompt-length tokens) and the reward's inputs: the prompts
+    and the columns it reads ({name: column}) -> {"ids", "texts", "columns"}."""
     prompts = list(split[args.prompt_column])
     texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
     ids = [p[-args.max_prompt_length:] for p in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -525,10 +516,10 @@ def eval_prompts_and_answers(args, tokenizer) -> tuple[list, list]:
     """The first --eval-limit prompts (as text) and answers of --eval-split ([], [] without one)."""
     if not args.eval_split:
         return [], []
-    ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
-    ev = ev.select(range(min(len(ev), args.eval_limit)))
-    prompts = prompt_texts(tokenizer, list(ev[args.prompt_column]), args.use_chat_template, args.prompt_column)
-    return prompts, list(ev[args.answer_column])
+    ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column],
+                    "--prompt-column/--answer-column")[: args.eval_limit]  # {column: values}
+    prompts = prompt_texts(tokenizer, ev[args.prompt_column], args.use_chat_template, args.prompt_column)
+    return prompts, ev[args.answer_column]
 
 
 class DataOrder:
@@ -557,8 +548,7 @@ class DataOrder:
 
 
 @torch.no_grad()
-def ppo_rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: str, eos_ids, reward, autocast,
-                timing: dict) -> dict:
+def ppo_rollout(model, tokenizer, data: dict, rows: list, gen_config, backend, eos_ids, reward, autocast, timing):
     """Step 1 for the prompts `rows` of rl_prompts' data: sample (one batched generate) and score."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
@@ -585,7 +575,7 @@ def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torc
     return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
 
 
-def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
+def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float):
     """pi_ref's log-probs: the frozen copy's, or with LoRA the policy's with its adapters off."""
     if ref_model is not None:
         return ref_model(*inputs, temperature)
@@ -593,7 +583,7 @@ def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float) 
         return completion_logprobs(model, *inputs, temperature)
 
 
-def ppo_micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, tuple, int]]:
+def ppo_micro_batches(batch: dict, rows, size: int) -> list:
     """`rows` in length-sorted micro-batches, each trimmed to its widest prompt and completion
     -> [(rows, (input_ids, attention_mask, prompt_width), completion width)]."""
     width, out = batch["prompt_ids"].shape[1], []
@@ -606,8 +596,8 @@ def ppo_micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[
 
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast, run) -> dict:
-    """pi_old's and (beta > 0) pi_ref's log-probs and V_old of the completion tokens, the TIS weights, the sampler gap
-    -> batch with "ids", "attention", "old_logp", "ref_logp", "old_values", "sampler_gap" (, "tis", "tis_capped")."""
+    """The batch with "ids", "attention", pi_old's and (beta > 0) pi_ref's log-probs "old_logp", "ref_logp", V_old
+    "old_values", "sampler_gap" (and TIS: "tis", "tis_capped")."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -620,14 +610,14 @@ def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, ar
     gap = sampler_gap(run, ((old_logp - batch["sampler_logp"]).abs() * mask).sum(), mask.sum())
     batch.update(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values, sampler_gap=gap)
     if args.importance_sampling_cap is not None:
-        cap = args.importance_sampling_cap
-        batch["tis"], batch["tis_capped"] = truncated_is_weights(old_logp, batch["sampler_logp"], mask, cap)
+        batch["tis"], batch["tis_capped"] = truncated_is_weights(old_logp, batch["sampler_logp"], mask,
+                                                                 args.importance_sampling_cap)
     return batch
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
-    """Steps 2-3: the scores (less --missing-eos-penalty without EOS), per-token rewards from them and KL_t (Eq. 2 of
-    arXiv:2203.02155), GAE (Eq. 16 of arXiv:1506.02438), whitening -> {"scores" [B], "kl", "advantages", "returns"}."""
+    """Steps 2-3: the scores (less --missing-eos-penalty without EOS), per-token rewards from them and KL_t, GAE,
+    whitening -> {"scores" [B], "kl", "advantages", "returns"}."""
     mask = batch["completion_mask"]
     scores = batch["rewards"]["total"].to(mask.device) - args.missing_eos_penalty * batch["truncated"].float()
     kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask if args.beta > 0 else 0 * mask
@@ -644,9 +634,9 @@ PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "appro
 
 
 def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast) -> dict:
-    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each: the clipped
-    policy loss (Eq. 7 of arXiv:1707.06347) times the TIS weights, the clipped value loss and the entropy bonus
-    (Eq. 9), token means over the mini-batch -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
+    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each of the token
+    means of the clipped policy loss x TIS weights, value loss and entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
+    -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
     mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
     sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
     for epoch in range(args.num_ppo_epochs):
@@ -666,8 +656,7 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
                     pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
                     loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent
                     (loss * m.sum() / mask[rows].sum()).backward()  # its share of the mini-batch's token mean
-                log_ratio = logp.detach() - old_logp
-                approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, m)  # k3 of KL(pi_old || pi)
+                approx_kl = masked_mean(kl_estimate(old_logp, logp.detach(), "k3"), m)  # of KL(pi_old || pi)
                 tokens = float(m.sum())
                 for name, x in zip(PPO_STATS, (pg_loss, vf_loss, masked_mean(clipped, m), vf_clipped, approx_kl, ent)):
                     sums[name] += x.item() * tokens
@@ -677,7 +666,7 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if args.target_kl is not None:  # every process sees the same KL, so all stop together
-            if ddp:
+            if dist.is_initialized():
                 dist.all_reduce(epoch_kl)
             if float(epoch_kl[0] / epoch_kl[1]) > args.target_kl:
                 break
@@ -722,9 +711,8 @@ def sample_table(step: int, batch: dict, n: int) -> tuple[str, list, list]:
 
 def ppo_step(actor_critic, optimizer, batch: dict, ref_model, kl_ctl: KLController, run, args, micro: int,
              autocast) -> tuple[dict, dict]:
-    """Steps 2-5 of the header on a scored rollout batch, as ppo.py's loop: pi_old's and pi_ref's log-probs and V_old
-    (the sampler's log-probs checked against pi_old's), advantages, the PPO epochs, the KL controller -> (the batch
-    with its advantages and scores, the step's metrics)."""
+    """ppo.py's loop steps 4b-4e on a scored rollout batch -> (the batch with its advantages and scores, the step's
+    metrics)."""
     raw = actor_critic.module if run.ddp and not run.fsdp else actor_critic
     batch = old_logprobs_and_values(raw, ref_model, batch, micro, args, autocast, run)
     kl_coef = kl_ctl.value
@@ -788,7 +776,7 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer, args: Args):
         extra = {"cosine_with_restarts": {"num_cycles": args.lr_num_cycles}, "polynomial": {"power": args.lr_power}}
         return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=args.total_steps,
                              scheduler_specific_kwargs=extra.get(name))
-    peak = [group["lr"] for group in optimizer.param_groups]
+    peak = [g["lr"] for g in optimizer.param_groups]
     torch_schedulers = {
         "cosineannealing": ("CosineAnnealingLR", dict(T_max=args.total_steps)),
         "cosineannealing_warm_restarts": ("CosineAnnealingWarmRestarts", dict(T_0=args.lr_step_size)),
@@ -853,11 +841,9 @@ def main(args: Args) -> dict:
     run = Run(args, overrides, ("train/reward", "train/sft_loss", "eval/accuracy") + ("train/kl",) * (args.beta > 0))
     device, world, G = run.device, run.world, args.num_generations
 
-    # 1. Data: the demonstrations; the RL prompts and the reward's columns (`target`: the demonstration); the eval.
-    #    Every prompt and its completion must fit the context.
+    # 1. Data: demonstrations; RL prompts, the reward's columns (`target`: a demonstration); eval; the context fits.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     sft = load_split(args, "sft_split", [args.prompt_column, args.completion_column],
                      "--sft-split, --prompt-column or --completion-column")
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
@@ -901,7 +887,7 @@ def main(args: Args) -> dict:
         value_head.load_state_dict(load_file(Path(args.resume) / "value_head.safetensors", device=str(device)))
     if state:
         reward.load_state_dict(state["reward"])
-        kl_ctl.load_state_dict(state["kl_controller"])
+        kl_ctl.value = state["kl_coef"]
         order.load(state)
         sft_order.load(state["sft_order"])
 
@@ -917,7 +903,7 @@ def main(args: Args) -> dict:
     def save() -> Path:
         return run.checkpoint(raw_actor_critic, tokenizer, {
             "optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "reward": reward.state_dict(), "kl_controller": kl_ctl.state_dict(), "sft_order": sft_order.state()},
+            "reward": reward.state_dict(), "kl_coef": kl_ctl.value, "sft_order": sft_order.state()},
             per_rank=order.state())
 
     # 4. Train.
@@ -932,8 +918,7 @@ def main(args: Args) -> dict:
             if run.ddp and args.lr_scheduler == "reduce_on_plateau":  # every process takes rank 0's lr
                 broadcast_lr(optimizer, device)
             lr = optimizer.param_groups[0]["lr"]  # this step's rate (logged below)
-            # 4a. The curriculum picks the step's kind: SFT on a batch of demonstrations, or PPO: roll out and score
-            #     (Sec. 2 of arXiv:1909.08593), then advantages, PPO epochs and the KL controller.
+            # 4a. The step's kind, from the curriculum: SFT on demonstrations, or PPO (ppo.py's steps 4a-4e).
             if kinds[step - 1]:
                 t_train = time.perf_counter()
                 demos = [examples[i] for i in sft_order.draw(args.sft_batch_size)]
@@ -953,7 +938,7 @@ def main(args: Args) -> dict:
             timing["step"] += time.perf_counter() - t_step
             tokens += n_tokens
 
-            # 4b. Log the step's kind, the curriculum's share, the step's metrics and timings.
+            # 4b. Log.
             if step % args.log_every == 0 or step == args.total_steps:
                 share = sft_fraction(step, args.total_steps, args.sft_fraction_start, args.sft_fraction_end,
                                      args.curriculum)
@@ -964,10 +949,8 @@ def main(args: Args) -> dict:
 
     del actor_critic  # DDP's reducer (find_unused_parameters) freed after the process group can hang gloo at exit
     # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) with its value head in final/.
-    def merged() -> PolicyWithValueHead:
-        return PolicyWithValueHead(copy.deepcopy(model).merge_and_unload(), value_head)
-
-    return run.finish(final, measure, save, merged if args.lora_r else raw_actor_critic, tokenizer)
+    merged = (lambda: PolicyWithValueHead(copy.deepcopy(model).merge_and_unload(), value_head)) if args.lora_r else None
+    return run.finish(final, measure, save, merged or raw_actor_critic, tokenizer)
 
 
 # not total_steps, which shapes the curriculum and the schedule
@@ -976,7 +959,7 @@ RESUME_MAY_CHANGE = ("log_every", "eval_every", "save_every", "save_every_minute
 
 
 def check_args(args: Args) -> tuple[int, int]:
-    """Every check that needs no model or data loading, before any work; -> a process's micro-batches (PPO, SFT)."""
+    """Every check that needs no model or data loading -> a process's micro-batches (PPO, SFT)."""
     check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
                         "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
                         "sft_batch_size", "max_length", "lr_step_size", "learning_rate", "temperature"),
@@ -984,6 +967,8 @@ def check_args(args: Args) -> tuple[int, int]:
                   "micro_batch_size", "sft_limit", "plateau_patience", "beta", "clip_high", "cliprange_value",
                   "vf_coef", "entropy_coef"), (args.model_name_or_path,))
     world = int(os.environ.get("WORLD_SIZE", 1))
+    per_process = args.prompts_per_step // world * args.num_generations
+    works = max(d for d in range(1, args.num_mini_batches + 1) if per_process % d == 0)
     for bad, message in (
             (not 0 <= args.sft_fraction_start <= 1, "--sft-fraction-start must be in [0, 1]"),
             (not 0 <= args.sft_fraction_end <= 1, "--sft-fraction-end must be in [0, 1]"),
@@ -993,22 +978,7 @@ def check_args(args: Args) -> tuple[int, int]:
              "--lr-scheduler reduce_on_plateau steps on eval/accuracy: it needs --eval-split and --eval-every > 0"),
             (args.sft_batch_size % world, f"--sft-batch-size must be a multiple of the {world} processes"),
             (args.value_head_lr is not None and args.value_head_lr <= 0,
-             "--value-head-lr must be positive (or None: --learning-rate)")):
-        if bad:
-            raise ValueError(message)
-    # unknown names, a missing bitsandbytes and settings the optimiser refuses fail now, on a stand-in parameter
-    stand_in = [{"params": [torch.zeros(1, requires_grad=True)], "lr": 1.0}]
-    make_scheduler(args.lr_scheduler, make_optimizer(args.optimizer, stand_in, args), args)
-    micro = check_ppo_args(args)
-    return micro, fit_micro_batch(args.micro_batch_size, args.sft_batch_size // world, "--sft-batch-size / processes")
-
-
-def check_ppo_args(args) -> int:
-    """The PPO flags' checks -> the micro-batch each process uses."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    per_process = args.prompts_per_step // world * args.num_generations
-    works = max(d for d in range(1, args.num_mini_batches + 1) if per_process % d == 0)
-    for bad, message in (
+             "--value-head-lr must be positive (or None: --learning-rate)"),
             (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
             (per_process % args.num_mini_batches, f"--num-mini-batches must divide each process's {per_process} "
                                                   f"completions: use --num-mini-batches {works}"),
@@ -1021,7 +991,11 @@ def check_ppo_args(args) -> int:
             (args.target_kl is not None and args.target_kl <= 0, "--target-kl must be positive (or None: never)")):
         if bad:
             raise ValueError(message)
-    return fit_micro_batch(args.micro_batch_size, per_process // args.num_mini_batches, "each mini-batch")
+    # unknown names, a missing bitsandbytes and settings the optimiser refuses fail now, on a stand-in parameter
+    stand_in = [{"params": [torch.zeros(1, requires_grad=True)], "lr": 1.0}]
+    make_scheduler(args.lr_scheduler, make_optimizer(args.optimizer, stand_in, args), args)
+    return (fit_micro_batch(args.micro_batch_size, per_process // args.num_mini_batches, "each mini-batch"),
+            fit_micro_batch(args.micro_batch_size, args.sft_batch_size // world, "--sft-batch-size / processes"))
 
 
 # ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
@@ -1140,8 +1114,8 @@ CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_conf
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
-    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
+    """Keep only the special tokens of the checkpoint's generation_config, naming the fields dropped (generate fills
+    unset fields from it, e.g. a repetition_penalty, and would not sample softmax(logits / T)) -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -1151,14 +1125,13 @@ def own_generation_config(model, tokenizer) -> list[int]:
                                         pad_token_id=tokenizer.pad_token_id)
     CHECKPOINT_GENERATION_CONFIG["policy"] = old  # what save_pretrained writes: final/ keeps the checkpoint's own
     if dropped and int(os.environ.get("RANK", 0)) == 0:
-        print(f"{model.name_or_path}: its generation_config sets {', '.join(dropped)}; not used: this script's flags "
-              f"decide sampling and evaluation")
+        print(f"{model.name_or_path}: its generation_config's {', '.join(dropped)} not used: the flags decide")
     return eos
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
-    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
+    """The split --<flag> names (a folder's <split>.jsonl, a hub split; one file: a seeded 10% for eval, the rest for
+    training) with `columns`; bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -1186,7 +1159,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
-    if path.is_file() and any(splits.get(f) for f in splits if "eval" in f):
+    if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
             raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
@@ -1253,8 +1226,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
     for name in model_paths:
         path = Path(name).expanduser()
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
-                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+            raise ValueError(f"'{name}' is not a model folder: it has no config.json (save_pretrained writes one)")
     if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
     if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
@@ -1335,15 +1307,15 @@ def resume_args(args, may_change: tuple[str, ...]):
     out.resume = args.resume
     step = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False, mmap=True)["step"]
     if step >= out.total_steps:
-        raise ValueError(f"--resume {args.resume}: the run ended at this step (--total-steps {out.total_steps}), so "
-                         f"there is nothing to do; to train on, pass a larger --total-steps")
+        raise ValueError(f"--resume {args.resume}: the run ended here (--total-steps {out.total_steps}); to train on, "
+                         f"pass a larger --total-steps")
     return out, changed
 
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
-    gathered, `sharded` is moved in as sharded/.)"""
+    """A temporary folder, then renamed: a killed run never leaves half a checkpoint (--fsdp: `weights` gathered,
+    `sharded` moved in)."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -1362,17 +1334,16 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
+    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the
+    run fails before its first step ends), W&B, signals; the cadence, progress and summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        self.rank, self.world = 0, 1
         if self.ddp:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = getattr(args, "fsdp", False), [], None  # trained: (root, optimizer)
@@ -1425,8 +1396,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
-        in bfloat16, gradients reduced in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); on CUDA bfloat16
+        compute, float32 reduction."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1442,8 +1413,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
-        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
+        """--fsdp: the trained model's whole weights inside, so that sampling and evaluation need no collective per
+        decode step (processes may take different numbers of them)."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1573,8 +1544,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
-        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluations, checkpoints by --save-every(-minutes), and after a Ctrl-C or
+        SIGTERM a checkpoint and the end."""
         if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
             import wandb
 
@@ -1614,8 +1585,7 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
-        summary (each eval metric at the start and the end, `notes`)."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()

@@ -12,7 +12,7 @@ Run:
     python ppo.py  # models/tiny-arith on data/arith, CPU
     python ppo.py --reward rm.json  # a learned reward model: {"type": "reward_model", "model": "runs/<rm>/final"}
     python ppo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
-        --max-completion-length 512 --prompts-per-step 64 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
+        --max-completion-length 512 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
     torchrun --nproc-per-node 2 ppo.py  # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/ppo.md):
@@ -205,12 +205,12 @@ class Args:
 # ---- the algorithm
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(x, mask):
     """Mean of x over the entries where mask is 1. x, mask: [B, T] -> scalar."""
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(x, mask, shift_mean: bool = True):
     """(x - mean) / std over the real entries, unbiased variance (as TRL); shift_mean=False adds the mean back.
     x, mask: [B, T] -> [B, T], 0 on padding."""
     mean, n = masked_mean(x, mask), mask.sum()
@@ -219,7 +219,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     return (whitened if shift_mean else whitened + mean) * mask
 
 
-def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+def per_token_rewards(scores, kl, mask, kl_coef: float):
     """-kl_coef KL_t at every real token, plus the score at the last one (Eq. 2 of arXiv:2203.02155 per token, as N+).
     scores: [B]; kl, mask: [B, T] -> rewards [B, T], 0 on padding."""
     rewards = -kl_coef * kl * mask
@@ -228,8 +228,7 @@ def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor
     return rewards
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards, values, mask, gamma: float, lam: float):
     """Eq. 16 of arXiv:1506.02438, V = A = 0 after the last real token; R_t = A_t + V_t.
     rewards, values, mask: [B, T] -> (advantages, returns) [B, T]."""
     rewards, values = rewards * mask, values * mask
@@ -243,8 +242,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, (advantages + values) * mask
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(values, old_values, returns, mask, cliprange_value: float):
     """PPO2's clipped value loss (kept by N+), 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token mean.
     values, old_values, returns, mask: [B, T] -> (loss, share of tokens where the clipped term won)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
@@ -273,14 +271,8 @@ class KLController:
         elif self.kind == "step" and kl < self.target / 1.5:
             self.value /= 1.5
 
-    def state_dict(self) -> dict:
-        return {"value": self.value}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+def explained_variance(values, returns, mask) -> float:
     """1 - Var(R - V) / Var(R) over real tokens (nan if R is constant). values, returns, mask: [B, T] -> float."""
     def variance(x):
         return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
@@ -392,17 +384,10 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
                                           tokenize=False, add_generation_prompt=True) for v in values]
 
 
-def load_tokenizer(name: str):
-    """The tokenizer, its EOS as padding when it has no pad token."""
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
 
 def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
-    """The split's prompts tokenised once (keeping the last --max-prompt-length tokens), and the reward's keyword
-    arguments: the prompts and the columns it reads ({name: column}) -> {"ids", "texts", "columns"}."""
+    """The split's prompts tokenised once (their last --max-prompt-length tokens) and the reward's inputs: the prompts
+    and the columns it reads ({name: column}) -> {"ids", "texts", "columns"}."""
     prompts = list(split[args.prompt_column])
     texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
     ids = [p[-args.max_prompt_length:] for p in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -415,10 +400,10 @@ def eval_prompts_and_answers(args, tokenizer) -> tuple[list, list]:
     """The first --eval-limit prompts (as text) and answers of --eval-split ([], [] without one)."""
     if not args.eval_split:
         return [], []
-    ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
-    ev = ev.select(range(min(len(ev), args.eval_limit)))
-    prompts = prompt_texts(tokenizer, list(ev[args.prompt_column]), args.use_chat_template, args.prompt_column)
-    return prompts, list(ev[args.answer_column])
+    ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column],
+                    "--prompt-column/--answer-column")[: args.eval_limit]  # {column: values}
+    prompts = prompt_texts(tokenizer, ev[args.prompt_column], args.use_chat_template, args.prompt_column)
+    return prompts, ev[args.answer_column]
 
 
 class DataOrder:
@@ -447,8 +432,7 @@ class DataOrder:
 
 
 @torch.no_grad()
-def ppo_rollout(model, tokenizer, data: dict, rows: list[int], gen_config, backend: str, eos_ids, reward, autocast,
-                timing: dict) -> dict:
+def ppo_rollout(model, tokenizer, data: dict, rows: list, gen_config, backend, eos_ids, reward, autocast, timing):
     """Step 1 for the prompts `rows` of rl_prompts' data: sample (one batched generate) and score."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
@@ -475,7 +459,7 @@ def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torc
     return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
 
 
-def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float) -> torch.Tensor:
+def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float):
     """pi_ref's log-probs: the frozen copy's, or with LoRA the policy's with its adapters off."""
     if ref_model is not None:
         return ref_model(*inputs, temperature)
@@ -483,7 +467,7 @@ def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float) 
         return completion_logprobs(model, *inputs, temperature)
 
 
-def ppo_micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, tuple, int]]:
+def ppo_micro_batches(batch: dict, rows, size: int) -> list:
     """`rows` in length-sorted micro-batches, each trimmed to its widest prompt and completion
     -> [(rows, (input_ids, attention_mask, prompt_width), completion width)]."""
     width, out = batch["prompt_ids"].shape[1], []
@@ -496,8 +480,8 @@ def ppo_micro_batches(batch: dict, rows: torch.Tensor, size: int) -> list[tuple[
 
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast, run) -> dict:
-    """pi_old's and (beta > 0) pi_ref's log-probs and V_old of the completion tokens, the TIS weights, the sampler gap
-    -> batch with "ids", "attention", "old_logp", "ref_logp", "old_values", "sampler_gap" (, "tis", "tis_capped")."""
+    """The batch with "ids", "attention", pi_old's and (beta > 0) pi_ref's log-probs "old_logp", "ref_logp", V_old
+    "old_values", "sampler_gap" (and TIS: "tis", "tis_capped")."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -510,14 +494,14 @@ def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, ar
     gap = sampler_gap(run, ((old_logp - batch["sampler_logp"]).abs() * mask).sum(), mask.sum())
     batch.update(old_logp=old_logp, ref_logp=ref_logp, old_values=old_values, sampler_gap=gap)
     if args.importance_sampling_cap is not None:
-        cap = args.importance_sampling_cap
-        batch["tis"], batch["tis_capped"] = truncated_is_weights(old_logp, batch["sampler_logp"], mask, cap)
+        batch["tis"], batch["tis_capped"] = truncated_is_weights(old_logp, batch["sampler_logp"], mask,
+                                                                 args.importance_sampling_cap)
     return batch
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
-    """Steps 2-3: the scores (less --missing-eos-penalty without EOS), per-token rewards from them and KL_t (Eq. 2 of
-    arXiv:2203.02155), GAE (Eq. 16 of arXiv:1506.02438), whitening -> {"scores" [B], "kl", "advantages", "returns"}."""
+    """Steps 2-3: the scores (less --missing-eos-penalty without EOS), per-token rewards from them and KL_t, GAE,
+    whitening -> {"scores" [B], "kl", "advantages", "returns"}."""
     mask = batch["completion_mask"]
     scores = batch["rewards"]["total"].to(mask.device) - args.missing_eos_penalty * batch["truncated"].float()
     kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask if args.beta > 0 else 0 * mask
@@ -534,9 +518,9 @@ PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "appro
 
 
 def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast) -> dict:
-    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each: the clipped
-    policy loss (Eq. 7 of arXiv:1707.06347) times the TIS weights, the clipped value loss and the entropy bonus
-    (Eq. 9), token means over the mini-batch -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
+    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each of the token
+    means of the clipped policy loss x TIS weights, value loss and entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
+    -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
     mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
     sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
     for epoch in range(args.num_ppo_epochs):
@@ -556,8 +540,7 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
                     pg_loss, ent = masked_mean(per_token, m), masked_mean(entropy, m)
                     loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * ent
                     (loss * m.sum() / mask[rows].sum()).backward()  # its share of the mini-batch's token mean
-                log_ratio = logp.detach() - old_logp
-                approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, m)  # k3 of KL(pi_old || pi)
+                approx_kl = masked_mean(kl_estimate(old_logp, logp.detach(), "k3"), m)  # of KL(pi_old || pi)
                 tokens = float(m.sum())
                 for name, x in zip(PPO_STATS, (pg_loss, vf_loss, masked_mean(clipped, m), vf_clipped, approx_kl, ent)):
                     sums[name] += x.item() * tokens
@@ -567,7 +550,7 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if args.target_kl is not None:  # every process sees the same KL, so all stop together
-            if ddp:
+            if dist.is_initialized():
                 dist.all_reduce(epoch_kl)
             if float(epoch_kl[0] / epoch_kl[1]) > args.target_kl:
                 break
@@ -627,8 +610,7 @@ def load_policy_and_value_model(args, device, tokenizer):
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
-        lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                    target_modules="all-linear")
+        lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules="all-linear")
         model = get_peft_model(model, LoraConfig(**lora, task_type="CAUSAL_LM"))
         value_model = get_peft_model(value_model, LoraConfig(**lora, task_type="TOKEN_CLS",  # TOKEN_CLS saves the head
                                                              exclude_modules=["score", "classifier"]))
@@ -659,7 +641,8 @@ def main(args: Args) -> dict:
     device, world, G = run.device, run.world, args.num_generations
 
     # 1. Data: prompts tokenised once, the rewards' columns, the eval split; each prompt + completion fits the context.
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     needed = reward.required_columns | (gold.required_columns if gold else set())
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(needed)}
     train = load_split(args, "dataset_split", [args.prompt_column, *columns.values()],
@@ -674,7 +657,7 @@ def main(args: Args) -> dict:
     # 2. Models: the policy and the value model, one module for DDP / FSDP2; the frozen reference.
     model, value_model, ref_model, eos_ids = load_policy_and_value_model(args, device, tokenizer)
     raw_actor_critic = actor_critic = PolicyAndValueModel(model, value_model, tokenizer)
-    if run.fsdp:  # each decoder layer of the three models sharded over processes
+    if run.fsdp:  # each decoder layer of the three models sharded
         actor_critic = run.shard(actor_critic, decoder_layers(model) + decoder_layers(value_model))
         ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
     elif run.ddp:
@@ -699,12 +682,12 @@ def main(args: Args) -> dict:
         restore_value_model(value_model, args, run)
         if "reward" not in overrides:  # a new --reward (retrained on this policy) starts afresh
             reward.load_state_dict(state["reward"])
-        kl_ctl.load_state_dict(state["kl_controller"])
+        kl_ctl.value = state["kl_coef"]
         order.load(state)
         lr_anchor = state["lr_anchor"]
         if "total_steps" in overrides:  # the decay goes on from here to the new last step
-            old_total = overrides["total_steps"][0]
-            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, lr_anchor))
+            lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
+                                              args.lr_schedule, lr_anchor))
 
     def measure() -> tuple[dict, list]:
         if not eval_prompts:
@@ -716,7 +699,7 @@ def main(args: Args) -> dict:
     def save() -> Path:
         return run.checkpoint(raw_actor_critic, tokenizer, {
             "optimizer": None if run.fsdp else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "reward": reward.state_dict(), "kl_controller": kl_ctl.state_dict(), "lr_anchor": lr_anchor},
+            "reward": reward.state_dict(), "kl_coef": kl_ctl.value, "lr_anchor": lr_anchor},
             per_rank=order.state())
 
     # 4. Train.
@@ -764,10 +747,9 @@ def main(args: Args) -> dict:
                 tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
 
     # 5. Final evaluation, a checkpoint, and the trained models (LoRA merged into them) in final/.
-    def merged() -> PolicyAndValueModel:
-        return PolicyAndValueModel(*(copy.deepcopy(m).merge_and_unload() for m in (model, value_model)), tokenizer)
-
-    return run.finish(final, measure, save, merged if args.lora_r else raw_actor_critic, tokenizer)
+    merged = (lambda: PolicyAndValueModel(*(copy.deepcopy(m).merge_and_unload() for m in (model, value_model)),
+                                          tokenizer)) if args.lora_r else raw_actor_critic
+    return run.finish(final, measure, save, merged, tokenizer)
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "save_every_minutes", "eval_limit",
@@ -782,29 +764,17 @@ def check_args(args: Args) -> int:
                         "learning_rate", "value_learning_rate", "temperature"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "num_sample_completions",
                   "micro_batch_size", "beta", "clip_high", "cliprange_value", "vf_coef", "entropy_coef",
-                  "value_model_layers", "pause_at_step"), (args.model_name_or_path,))
-    if args.value_model_name_or_path:
-        try:
-            check_common(args, (), (), (args.value_model_name_or_path,))
-        except ValueError as e:
-            raise ValueError(f"--value-model-name-or-path: {e}") from None
+                  "value_model_layers", "pause_at_step"),
+                 {args.model_name_or_path, args.value_model_name_or_path or args.model_name_or_path})  # each once
     blocks = AutoConfig.from_pretrained(args.value_model_name_or_path or args.model_name_or_path).num_hidden_layers
-    for bad, message in (
-            (args.value_model_layers > blocks, f"--value-model-layers: use 0 (all) to {blocks}, its decoder layers"),
-            (args.pause_at_step >= args.total_steps, "--pause-at-step must be before --total-steps (or 0: never)"),
-            (args.center_scores_per_prompt and args.num_generations < 2,
-             "--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more")):
-        if bad:
-            raise ValueError(message)
-    return check_ppo_args(args)
-
-
-def check_ppo_args(args) -> int:
-    """The PPO flags' checks -> the micro-batch each process uses."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_process = args.prompts_per_step // world * args.num_generations
     works = max(d for d in range(1, args.num_mini_batches + 1) if per_process % d == 0)
     for bad, message in (
+            (args.value_model_layers > blocks, f"--value-model-layers: use 0 (all) to {blocks}, its decoder layers"),
+            (args.pause_at_step >= args.total_steps, "--pause-at-step must be before --total-steps (or 0: never)"),
+            (args.center_scores_per_prompt and args.num_generations < 2,
+             "--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more"),
             (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
             (per_process % args.num_mini_batches, f"--num-mini-batches must divide each process's {per_process} "
                                                   f"completions: use --num-mini-batches {works}"),
@@ -935,8 +905,8 @@ CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_conf
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
-    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
+    """Keep only the special tokens of the checkpoint's generation_config, naming the fields dropped (generate fills
+    unset fields from it, e.g. a repetition_penalty, and would not sample softmax(logits / T)) -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -946,14 +916,13 @@ def own_generation_config(model, tokenizer) -> list[int]:
                                         pad_token_id=tokenizer.pad_token_id)
     CHECKPOINT_GENERATION_CONFIG["policy"] = old  # what save_pretrained writes: final/ keeps the checkpoint's own
     if dropped and int(os.environ.get("RANK", 0)) == 0:
-        print(f"{model.name_or_path}: its generation_config sets {', '.join(dropped)}; not used: this script's flags "
-              f"decide sampling and evaluation")
+        print(f"{model.name_or_path}: its generation_config's {', '.join(dropped)} not used: the flags decide")
     return eos
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
-    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
+    """The split --<flag> names (a folder's <split>.jsonl, a hub split; one file: a seeded 10% for eval, the rest for
+    training) with `columns`; bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -981,7 +950,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
-    if path.is_file() and any(splits.get(f) for f in splits if "eval" in f):
+    if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
             raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
@@ -1048,8 +1017,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
     for name in model_paths:
         path = Path(name).expanduser()
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
-                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+            raise ValueError(f"'{name}' is not a model folder: it has no config.json (save_pretrained writes one)")
     if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
     if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
@@ -1130,15 +1098,15 @@ def resume_args(args, may_change: tuple[str, ...]):
     out.resume = args.resume
     step = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False, mmap=True)["step"]
     if step >= out.total_steps:
-        raise ValueError(f"--resume {args.resume}: the run ended at this step (--total-steps {out.total_steps}), so "
-                         f"there is nothing to do; to train on, pass a larger --total-steps")
+        raise ValueError(f"--resume {args.resume}: the run ended here (--total-steps {out.total_steps}); to train on, "
+                         f"pass a larger --total-steps")
     return out, changed
 
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
-    gathered, `sharded` is moved in as sharded/.)"""
+    """A temporary folder, then renamed: a killed run never leaves half a checkpoint (--fsdp: `weights` gathered,
+    `sharded` moved in)."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -1157,17 +1125,16 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
+    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the
+    run fails before its first step ends), W&B, signals; the cadence, progress and summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        self.rank, self.world = 0, 1
         if self.ddp:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = getattr(args, "fsdp", False), [], None  # trained: (root, optimizer)
@@ -1220,8 +1187,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
-        in bfloat16, gradients reduced in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); on CUDA bfloat16
+        compute, float32 reduction."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1237,8 +1204,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
-        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
+        """--fsdp: the trained model's whole weights inside, so that sampling and evaluation need no collective per
+        decode step (processes may take different numbers of them)."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1368,8 +1335,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
-        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluations, checkpoints by --save-every(-minutes), and after a Ctrl-C or
+        SIGTERM a checkpoint and the end."""
         if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
             import wandb
 
@@ -1409,8 +1376,7 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
-        summary (each eval metric at the start and the end, `notes`)."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()

@@ -8,7 +8,7 @@ with Llama 2's margin m (arXiv:2307.09288, Eq. 2; `--margin-column`) and reward 
 K samples of the policy with a rule labeler. The mean and std of the training pairs' chosen scores go into
 final/config.json (`reward_mean`, `reward_std`) for ppo.py's whitened rewards.
 
-Run (more: docs/reward_model.md; InstructGPT's pipeline: docs/rlhf_pipeline.md):
+Run (more: docs/reward_model.md and docs/rlhf_pipeline.md):
     python reward_model.py  # embedded: models/tiny-arith on data/arith prefs
     torchrun --nproc-per-node 2 reward_model.py  # data parallel (gloo on CPU, nccl on GPU)
 
@@ -109,7 +109,7 @@ class Args:
     learning_rate: float = 1e-3
     """peak learning rate of AdamW"""
     total_steps: int = 300
-    """optimiser steps (300: 4.8 epochs of the 4,000 embedded pairs); may change on --resume"""
+    """optimiser steps (300: 4.8 epochs of the embedded pairs); may change on --resume"""
     batch_size: int = 64
     """preference pairs per optimiser step (over all processes)"""
     micro_batch_size: int = 0
@@ -305,7 +305,7 @@ def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
 @torch.no_grad()
 def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
     """--pack-pairs, unless forward(packed) of a few pairs, packed against plain in eval mode, shows the model cannot
-    use it (e.g. an attention that ignores custom 4D masks): then rows of their own, with a notice saying why."""
+    use it (e.g. an attention that ignores custom 4D masks): then rows of their own, with a notice."""
     if not run.args.pack_pairs:
         return False
     was_training = model.training
@@ -337,8 +337,8 @@ def optimizer_and_schedule(args, run, trained, model, overrides: dict) -> tuple:
     state = run.restore(model, optimizer, scheduler)
     anchor[0] = state.get("lr_anchor")
     if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
-        old_total = overrides["total_steps"][0]
-        anchor[0] = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, anchor[0]))
+        old = lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0], args.lr_schedule, anchor[0])
+        anchor[0] = (run.start, old)
     return optimizer, scheduler, anchor, state
 
 
@@ -368,19 +368,20 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
         return f"'tie' is {row['tie']!r}: it must be true (a tie) or false (chosen is better)"
     if margin and (isinstance(row[margin], bool) or not isinstance(row[margin], (int, float))):
         return f"margin '{margin}' is {row[margin]!r}, not a number"
-    return None
 
 
 def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
     """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
     work: a bad row is one line naming the file and line (a hub split: its row). The default --dataset-split prefs of
-    a folder without prefs.jsonl is its train.jsonl (said, and recorded in args.json)."""
+    a folder without prefs.jsonl is its train.jsonl if that holds pairs (said; args.json records it)."""
     path = Path(args.dataset).expanduser()
-    if flag == "dataset_split" and args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and (
-            path / "train.jsonl").exists():
-        args.dataset_split = "train"
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"{path} has no prefs.jsonl: training on its train.jsonl (--dataset-split train)")
+    train = path / "train.jsonl"
+    if args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and train.exists():
+        with train.open() as f:
+            if f'"{args.chosen_column}"' in f.readline():
+                args.dataset_split = "train"
+        if args.dataset_split == "train" and int(os.environ.get("RANK", 0)) == 0:
+            print(f"{path} has no prefs.jsonl: training on its train.jsonl")
     split = getattr(args, flag)
     ds = load_split(args, flag, columns, "--prompt-column/--chosen-column/--rejected-column or the flag naming it")
     where = f"{path / split}.jsonl, line" if path.is_dir() else f"{args.dataset}, split '{split}', row"
@@ -438,7 +439,7 @@ class PairScorer(torch.nn.Module):
     def forward(self, ids, attention, position_ids=None, ends=None, flat: bool = False):
         if not self.packed:  # [2B, T]: the B chosen then the B rejected texts (flat: any texts -> [N])
             scores = sequence_scores(self.model, ids, attention)
-            return scores if flat else scores.view(2, -1).T
+            return (scores if flat else scores.view(2, -1).T).clone()  # not views (FSDP2 hooks outputs)
         classifier = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
         if classifier.config._attn_implementation != "sdpa":  # eager attention adds its mask to the logits
             dtype = next(classifier.parameters()).dtype
@@ -446,7 +447,7 @@ class PairScorer(torch.nn.Module):
         hidden = classifier.base_model(input_ids=ids, attention_mask=attention[:, None], position_ids=position_ids,
                                        use_cache=False).last_hidden_state
         rows = torch.arange(len(ids), device=ids.device)[:, None]
-        return classifier.score(hidden[rows, ends]).squeeze(-1).float()
+        return classifier.score(hidden[rows, ends]).squeeze(-1).to(torch.float32, copy=True)
 
 
 @torch.no_grad()
@@ -466,7 +467,7 @@ def score_sequences(model, rows: list, pad_id: int, device, autocast, batch_size
 
 
 def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = False) -> dict:
-    """Held-out pairs -> pair accuracy (ties count as wrong), mean margin r_c - r_r and the loss of Eq. 1."""
+    """Held-out pairs -> pair accuracy (a tie is wrong), mean margin r_c - r_r and the loss of Eq. 1."""
     scores = score_sequences(model, [p[i] for i in (0, 1) for p in pairs], pad_id, device, autocast, progress=progress)
     chosen, rejected = scores.split(len(pairs))
     return {"eval/pref_accuracy": float((chosen > rejected).float().mean()), "eval/margin":
@@ -482,7 +483,7 @@ def load_preferences(args, tokenizer, flag: str, with_margin: bool, limit: Optio
     columns += [args.ranking_column, "k"] if with_margin and args.ranking_column else []
     tie = ["tie"] * bool(with_margin and args.tie_strength)
     ds = load_pairs(args, flag, columns + tie, args.margin_column if with_margin else None)
-    if "tie" in ds.column_names and not tie:  # Bradley-Terry (and held-out accuracy): a tie states no preference
+    if "tie" in ds.column_names and not tie:  # a tie states no preference (Bradley-Terry, held-out accuracy)
         ds = ds.filter(lambda row: not row["tie"])
     values, what = [list(ds[c])[:limit] for c in columns], f"split '{getattr(args, flag)}'"
     ties = list(ds["tie"])[:limit] if tie else None
@@ -578,7 +579,7 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
     ddp = isinstance(scorer, torch.nn.parallel.DistributedDataParallel)
     packed = (scorer.module if ddp else scorer).packed
     sums = dict.fromkeys(("loss", "correct", "margin", "reward", "pairs", "texts"), 0.0)
-    if len(items) > micro:  # length-sorted micro-batches pad less; the loss is a sum, so the order does not change it
+    if len(items) > micro:  # length-sorted micro-batches pad less; the loss, a sum, is the same
         items = sorted(items, key=lambda x: max(map(len, x[0])) if rankings else
                        len(x[0]) + len(x[1]) - shared_prefix(x[0], x[1]) if packed else max(len(x[0]), len(x[1])))
     for k in range(0, len(items), micro):
@@ -608,8 +609,8 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
 
 
 def load_reward_model(args: Args, tokenizer, device) -> tuple:
-    """The causal LM with a new scalar head (a sequence classifier, one output), or a reward model; dropout off;
-    LoRA adapters with --lora-r -> (model, the new head's parameters, initialised by `init_score_head`)."""
+    """The causal LM with a new scalar head (a one-output sequence classifier), or a reward model; dropout off; LoRA
+    with --lora-r -> (model, the new head's parameters, initialised by `init_score_head`)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the head is new on purpose: no "newly initialized" report
@@ -683,7 +684,7 @@ def main(args: Args) -> dict:
             scorer, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
 
-    # 3. Optimiser, schedule and data order (the same on every process); on --resume the weights, then their states.
+    # 3. Optimiser, schedule and data order (the same on every process); on --resume the weights and their states.
     optimizer, scheduler, lr_anchor, state = optimizer_and_schedule(args, run, scorer, model, overrides)
     order = PairOrder(len(pairs), args.seed)
     prefs = [i for i, p in enumerate(pairs) if rankings or not p[3]]  # until --tie-start-step (a ranking: masked)
@@ -694,7 +695,7 @@ def main(args: Args) -> dict:
 
     def measure() -> tuple[dict, list]:
         metrics = pair_metrics(model, eval_pairs, pad_id, device, autocast, run.progress) if eval_pairs else {}
-        if held_out:  # the policy's samples on the held-out prompts, ranked by the labeler
+        if held_out:  # the policy's held-out comparisons
             comparisons = pair_metrics(model, held_out, pad_id, device, autocast, run.progress)
             metrics.update({k.replace("pref", "comparison"): v for k, v in comparisons.items()})
         return metrics, []
@@ -848,8 +849,8 @@ CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_conf
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
-    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
+    """Keep only the special tokens of the checkpoint's generation_config, naming the fields dropped (generate fills
+    unset fields from it, e.g. a repetition_penalty, and would not sample softmax(logits / T)) -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -859,14 +860,13 @@ def own_generation_config(model, tokenizer) -> list[int]:
                                         pad_token_id=tokenizer.pad_token_id)
     CHECKPOINT_GENERATION_CONFIG["policy"] = old  # what save_pretrained writes: final/ keeps the checkpoint's own
     if dropped and int(os.environ.get("RANK", 0)) == 0:
-        print(f"{model.name_or_path}: its generation_config sets {', '.join(dropped)}; not used: this script's flags "
-              f"decide sampling and evaluation")
+        print(f"{model.name_or_path}: its generation_config's {', '.join(dropped)} not used: the flags decide")
     return eos
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
-    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
+    """The split --<flag> names (a folder's <split>.jsonl, a hub split; one file: a seeded 10% for eval, the rest for
+    training) with `columns`; bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -894,7 +894,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
-    if path.is_file() and any(splits.get(f) for f in splits if "eval" in f):
+    if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
             raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
@@ -961,8 +961,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
     for name in model_paths:
         path = Path(name).expanduser()
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
-                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+            raise ValueError(f"'{name}' is not a model folder: it has no config.json (save_pretrained writes one)")
     if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
     if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
@@ -1035,15 +1034,15 @@ def resume_args(args, may_change: tuple[str, ...]):
     out.resume = args.resume
     step = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False, mmap=True)["step"]
     if step >= out.total_steps:
-        raise ValueError(f"--resume {args.resume}: the run ended at this step (--total-steps {out.total_steps}), so "
-                         f"there is nothing to do; to train on, pass a larger --total-steps")
+        raise ValueError(f"--resume {args.resume}: the run ended here (--total-steps {out.total_steps}); to train on, "
+                         f"pass a larger --total-steps")
     return out, changed
 
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
-    gathered, `sharded` is moved in as sharded/.)"""
+    """A temporary folder, then renamed: a killed run never leaves half a checkpoint (--fsdp: `weights` gathered,
+    `sharded` moved in)."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -1062,17 +1061,16 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
+    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the
+    run fails before its first step ends), W&B, signals; the cadence, progress and summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        self.rank, self.world = 0, 1
         if self.ddp:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = getattr(args, "fsdp", False), [], None  # trained: (root, optimizer)
@@ -1125,8 +1123,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
-        in bfloat16, gradients reduced in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); on CUDA bfloat16
+        compute, float32 reduction."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1142,8 +1140,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
-        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
+        """--fsdp: the trained model's whole weights inside, so that sampling and evaluation need no collective per
+        decode step (processes may take different numbers of them)."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1273,8 +1271,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
-        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluations, checkpoints by --save-every(-minutes), and after a Ctrl-C or
+        SIGTERM a checkpoint and the end."""
         if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
             import wandb
 
@@ -1314,8 +1312,7 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
-        summary (each eval metric at the start and the end, `notes`)."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()

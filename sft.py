@@ -1,16 +1,14 @@
-"""Supervised fine-tuning (SFT) with a completion-only loss; it made the embedded model. Details: docs/sft.md.
-
-The first stage of RLHF (InstructGPT, arXiv:2203.02155, Sec. 3.5): maximise the log-likelihood of demonstration
-completions given their prompts, prompt and padding tokens masked out of the loss,
-    L(theta) = - sum_t log pi_theta(y_t | x, y_<t) / (number of completion tokens).
+"""Supervised fine-tuning (SFT), the first stage of RLHF (InstructGPT, arXiv:2203.02155, Sec. 3.5): maximise the
+log-likelihood of demonstration completions given their prompts (prompt and padding masked out of the loss),
+    L(theta) = - sum_t log pi_theta(y_t | x, y_<t) / (number of completion tokens in the step).
+It made models/tiny-arith. Details: docs/sft.md.
 
 Run:
     python sft.py  # 100 more SFT steps on models/tiny-arith, CPU
     python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/dataset --dataset-split train --max-length 1024
-    torchrun --nproc-per-node 2 sft.py  # DDP (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 sft.py  # data parallel
 
-Choices: the loss is the token mean over the whole step (all micro-batches and processes);
---packing does not block attention between packed examples (TRL's simple packing).
+Choice: --packing does not block attention between packed examples (TRL's simple packing).
 """
 import contextlib
 import json
@@ -46,13 +44,13 @@ class Args:
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM and its tokenizer"""
+    """local folder or hub id of the causal LM and its tokenizer"""
     model_config: Optional[str] = None
     """config JSON of a fresh, random model to train"""
     tokenizer_name_or_path: Optional[str] = None
     """tokenizer folder or id (default: the model's)"""
     dataset: str = "data/arith"
-    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    """folder of <split>.jsonl files, a JSON-lines file, or a hub dataset id"""
     dataset_split: str = "sft"
     """split with prompts and completions"""
     eval_split: Optional[str] = "test"
@@ -62,17 +60,17 @@ class Args:
     completion_column: str = "completion"
     """column of demonstration completions"""
     answer_column: str = "answer"
-    """column of the eval split's answers"""
+    """column of eval answers"""
     eval_limit: int = 500
-    """evaluate on at most this many examples"""
+    """at most this many eval prompts"""
     max_new_tokens: int = 48
     """tokens generated per eval prompt"""
 
     # --- optimisation
     learning_rate: float = 3e-4
-    """peak learning rate of AdamW"""
+    """peak AdamW learning rate"""
     total_steps: int = 100
-    """optimiser steps (may change on --resume: the decay then ends at the new last step)"""
+    """optimiser steps (may change on --resume)"""
     batch_size: int = 64
     """rows per optimiser step, over all processes"""
     gradient_accumulation_steps: int = 1
@@ -94,11 +92,11 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: at the end and on Ctrl-C only)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
+    """also a checkpoint after this many minutes without one (0: off)"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     final_dir: Optional[str] = None
-    """also save the final model here (e.g. models/tiny-arith)"""
+    """also copy final/ here (e.g. models/tiny-arith)"""
 
     # --- engineering / experiment
     gradient_checkpointing: bool = False
@@ -116,7 +114,7 @@ class Args:
     output_dir: str = "runs"
     """where run directories are created"""
     run_dir: Optional[str] = None
-    """the run directory, if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>; must not exist"""
+    """a new run directory instead of <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
@@ -130,9 +128,9 @@ class Args:
 
 
 def completion_only_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The loss above unnormalised, and its token count. logits: [B, T, V]; labels: [B, T], -100 where masked."""
-    nll = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum")
+    """The loss above as a sum, and its token count. logits: [B, T, V]; labels: [B, T], -100 where masked."""
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                            reduction="sum")
     return nll, int((labels[:, 1:] != -100).sum())
 
 
@@ -172,34 +170,24 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
     return scale * (0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress)
 
 
-def make_examples(tokenizer, split, args: Args) -> list:
-    """The split's (ids, labels) rows (build_example), packed or not; at least a batch of them."""
-    prompt_ids = tokenizer(list(split[args.prompt_column]), add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(list(split[args.completion_column]), add_special_tokens=False)["input_ids"]
-    too_long = sum(len(p) >= args.max_length for p in prompt_ids)
+def load_examples(args: Args, tokenizer) -> tuple[list, list, list]:
+    """-> the training rows (build_example, packed or not), at least a batch of them; the eval prompts and answers."""
+    flags = "--prompt-column/--completion-column/--answer-column"
+    split = load_split(args, "dataset_split", [args.prompt_column, args.completion_column], flags)
+    prompts, completions = (tokenizer(list(split[column]), add_special_tokens=False)["input_ids"]
+                            for column in (args.prompt_column, args.completion_column))
+    too_long = sum(len(p) >= args.max_length for p in prompts)
     if too_long:  # they would have no token to learn
         raise ValueError(f"{too_long} prompts are longer than --max-length {args.max_length} - 1 tokens: raise it")
-    rows = [build_example(p, c, tokenizer.eos_token_id, args.max_length) for p, c in zip(prompt_ids, completion_ids)]
+    rows = [build_example(p, c, tokenizer.eos_token_id, args.max_length) for p, c in zip(prompts, completions)]
     if args.packing:
         rows = pack_examples(rows, args.max_length)
     if len(rows) < args.batch_size:
         raise ValueError(f"{len(rows)} training rows{' (packed)' * args.packing} < --batch-size {args.batch_size}")
-    return rows
-
-
-def make_model(args: Args, tokenizer, eval_prompts: list[str]):
-    """A fresh model from --model-config (how models/tiny-arith was made), or --model-name-or-path's, if the data fit
-    its context."""
-    config = AutoConfig.from_pretrained(args.model_config or args.model_name_or_path)
-    if args.model_config and config.vocab_size < len(tokenizer):
-        raise ValueError(f"--model-config: vocab_size {config.vocab_size} < the tokenizer's {len(tokenizer)}")
-    check_context(config, [[]], args.max_length, "--max-length")
-    check_context(config, [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts], args.max_new_tokens,
-                  "--max-new-tokens")
-    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    if args.model_config:
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    if not args.eval_split:
+        return rows, [], []
+    ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], flags)[: args.eval_limit]
+    return rows, ev[args.prompt_column], ev[args.answer_column]
 
 
 def batch_indices(step: int, n: int, size: int, seed: int) -> list[int]:
@@ -213,7 +201,7 @@ def batch_indices(step: int, n: int, size: int, seed: int) -> list[int]:
 def sft_update(model, optimizer, batch: list, micro: int, args: Args, run, pad_id: int):
     """One optimiser step on this process's share of `batch`, `micro` rows at a time, of the token mean loss over
     the global batch -> (this process's NLL sum, global completion tokens, grad norm)."""
-    n_tokens = sum(sum(t != -100 for t in labels[1:]) for _, labels in batch)
+    n_tokens = sum(t != -100 for _, labels in batch for t in labels[1:])
     accum = args.gradient_accumulation_steps
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
     nll_sum = 0.0
@@ -239,19 +227,23 @@ def main(args: Args) -> dict:
     micro = check_args(args)
     run = Run(args, overrides, ("train/loss", "eval/accuracy"))
 
-    # 1. Data: prompt + completion + EOS rows, the prompt masked out of the loss; the eval split.
+    # 1. Data: the training rows, the eval split.
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path or args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    flags = "--prompt-column/--completion-column/--answer-column"
-    train = load_split(args, "dataset_split", [args.prompt_column, args.completion_column], flags)
-    examples = make_examples(tokenizer, train, args)
-    eval_prompts, eval_answers = [], []
-    if args.eval_split:
-        ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], flags)[: args.eval_limit]
-        eval_prompts, eval_answers = ev[args.prompt_column], ev[args.answer_column]
+    examples, eval_prompts, eval_answers = load_examples(args, tokenizer)
 
     # 2. Model, fresh or pretrained, if the data fit its context; under torchrun DDP or FSDP2.
-    model = make_model(args, tokenizer, eval_prompts).to(run.device)
+    config = AutoConfig.from_pretrained(args.model_config or args.model_name_or_path)
+    if args.model_config and config.vocab_size < len(tokenizer):
+        raise ValueError(f"--model-config: vocab_size {config.vocab_size} < the tokenizer's {len(tokenizer)}")
+    check_context(config, [[]], args.max_length, "--max-length")
+    check_context(config, [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts], args.max_new_tokens,
+                  "--max-new-tokens")
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    if args.model_config:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(run.device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(run.device)
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -270,15 +262,13 @@ def main(args: Args) -> dict:
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     lr_anchor = run.restore(model, optimizer, scheduler).get("lr_anchor")
     if "total_steps" in overrides:  # the decay goes on from here to the new last step
-        old_total = overrides["total_steps"][0]
-        lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, old_total, args.lr_schedule, lr_anchor))
+        lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0], args.lr_schedule,
+                                          lr_anchor))
 
     def measure() -> tuple[dict, list]:
-        if not eval_prompts:
-            return {}, []
         acc, samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers, args.max_new_tokens, eos_ids,
                                        run.progress)
-        return {"eval/accuracy": acc}, samples
+        return {"eval/accuracy": acc} if eval_prompts else {}, samples
 
     def save() -> Path:
         return run.checkpoint(model, tokenizer, {"optimizer": None if run.fsdp else optimizer.state_dict(),
@@ -307,8 +297,9 @@ def main(args: Args) -> dict:
 
     # 5. Final evaluation, a checkpoint, the model in final/ (and --final-dir).
     out = run.finish(final, measure, save, model, tokenizer)
-    if run.rank == 0 and args.final_dir and not out["interrupted"]:
-        save_pretrained(Path(args.final_dir), model, tokenizer)
+    if run.rank == 0 and args.final_dir and not out["interrupted"]:  # final/: whole weights under --fsdp too
+        shutil.rmtree(args.final_dir, ignore_errors=True)
+        shutil.copytree(run.dir / "final", args.final_dir)
     return out
 
 
@@ -363,8 +354,8 @@ CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_conf
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Of the checkpoint's generation_config keep only the special tokens (generate would fill unset fields from it,
-    e.g. a repetition_penalty, and no longer sample softmax(logits / T)); name the fields dropped. -> the EOS ids."""
+    """Keep only the special tokens of the checkpoint's generation_config, naming the fields dropped (generate fills
+    unset fields from it, e.g. a repetition_penalty, and would not sample softmax(logits / T)) -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -374,14 +365,13 @@ def own_generation_config(model, tokenizer) -> list[int]:
                                         pad_token_id=tokenizer.pad_token_id)
     CHECKPOINT_GENERATION_CONFIG["policy"] = old  # what save_pretrained writes: final/ keeps the checkpoint's own
     if dropped and int(os.environ.get("RANK", 0)) == 0:
-        print(f"{model.name_or_path}: its generation_config sets {', '.join(dropped)}; not used: this script's flags "
-              f"decide sampling and evaluation")
+        print(f"{model.name_or_path}: its generation_config's {', '.join(dropped)} not used: the flags decide")
     return eos
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names, with `columns`: a folder's `<split>.jsonl` or a hub dataset's split; of one JSON-lines
-    file, a fixed seeded 10% for eval splits, the rest for training. Bad data: one line naming the file and line."""
+    """The split --<flag> names (a folder's <split>.jsonl, a hub split; one file: a seeded 10% for eval, the rest for
+    training) with `columns`; bad data: one line naming the file and line."""
     split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
     file = path / f"{split}.jsonl" if path.is_dir() else path
     splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
@@ -409,7 +399,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
-    if path.is_file() and any(splits.get(f) for f in splits if "eval" in f):
+    if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
             raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
@@ -476,8 +466,7 @@ def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...],
     for name in model_paths:
         path = Path(name).expanduser()
         if check_local_or_hub("model", name) and not (path / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json (pass a folder written by "
-                             f"save_pretrained, e.g. models/tiny-arith, or a hub id)")
+            raise ValueError(f"'{name}' is not a model folder: it has no config.json (save_pretrained writes one)")
     if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
     if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
@@ -549,15 +538,15 @@ def resume_args(args, may_change: tuple[str, ...]):
     out.resume = args.resume
     step = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False, mmap=True)["step"]
     if step >= out.total_steps:
-        raise ValueError(f"--resume {args.resume}: the run ended at this step (--total-steps {out.total_steps}), so "
-                         f"there is nothing to do; to train on, pass a larger --total-steps")
+        raise ValueError(f"--resume {args.resume}: the run ended here (--total-steps {out.total_steps}); to train on, "
+                         f"pass a larger --total-steps")
     return out, changed
 
 
 def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
                     sharded: Optional[Path] = None) -> None:
-    """Write a temporary folder, then rename it: a killed run never leaves half a checkpoint. (--fsdp: `weights` were
-    gathered, `sharded` is moved in as sharded/.)"""
+    """A temporary folder, then renamed: a killed run never leaves half a checkpoint (--fsdp: `weights` gathered,
+    `sharded` moved in)."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
@@ -576,17 +565,16 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """One run as a process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the run
-    fails before its first step ends), W&B, Ctrl-C and SIGTERM; the cadence, the progress line, the summary."""
+    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the
+    run fails before its first step ends), W&B, signals; the cadence, progress and summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        self.rank, self.world = 0, 1
         if self.ddp:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = getattr(args, "fsdp", False), [], None  # trained: (root, optimizer)
@@ -639,8 +627,8 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root keeps the embeddings and the head); on CUDA
-        in bfloat16, gradients reduced in float32."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); on CUDA bfloat16
+        compute, float32 reduction."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -656,8 +644,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights of the trained model inside (sampling and evaluation then need no collective per
-        decode step, so processes may run different numbers of them). Without --fsdp, nothing."""
+        """--fsdp: the trained model's whole weights inside, so that sampling and evaluation need no collective per
+        decode step (processes may take different numbers of them)."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -787,8 +775,8 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluation at 0 and every --eval-every, a checkpoint every --save-every and
-        --save-every-minutes, and after a Ctrl-C or SIGTERM a checkpoint and the end of the loop."""
+        """Steps start+1 .. --total-steps; evaluations, checkpoints by --save-every(-minutes), and after a Ctrl-C or
+        SIGTERM a checkpoint and the end."""
         if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
             import wandb
 
@@ -828,8 +816,7 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless interrupted: the final evaluation, a checkpoint, final/ (`model`, or a function making it) and the
-        summary (each eval metric at the start and the end, `notes`)."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
         if not self.stop:
             final.update(self.evaluate(measure))
             save()

@@ -47,7 +47,7 @@ def train_rows(run_dir) -> list[dict]:
 
 def run_torchrun(script: str, *args: str) -> str:
     """Run ROOT/script under torchrun with 2 processes (gloo on CPU, one thread each), assert it succeeded;
-    -> its stdout."""
+    -> its stdout and stderr."""
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(ROOT / script),
@@ -55,7 +55,7 @@ def run_torchrun(script: str, *args: str) -> str:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return done.stdout + done.stderr
 
 
 def interrupt_at_step_2(cmd: list[str], times: int = 1, sig: int = 2, pid=None, **popen) -> tuple[int, str]:

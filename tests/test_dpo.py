@@ -362,7 +362,8 @@ def test_bad_flags_fail_before_any_work(tiny, tmp_path, overrides, message):
 
 def test_a_folder_without_prefs_jsonl_trains_on_its_train_jsonl(tiny, tmp_path, capsys):
     """--dataset-split left at prefs, on a folder with pairs in train.jsonl and no prefs.jsonl: the run trains on
-    train.jsonl, says so in one line, and records the split in args.json, which a resume reads."""
+    train.jsonl, says so in one line, and records the split in args.json, which a resume reads. A split named on the
+    command line, or a train.jsonl without pairs, is no reason to fall back."""
     data = tmp_path / "data"
     data.mkdir()
     shutil.copy(tiny / "data" / "prefs.jsonl", data / "train.jsonl")
@@ -376,6 +377,9 @@ def test_a_folder_without_prefs_jsonl_trains_on_its_train_jsonl(tiny, tmp_path, 
     with pytest.raises(ValueError, match=r"has no other.jsonl"):  # a split named on the command line: no fallback
         dpo.main(tiny_args(tiny, tmp_path / "out2", dataset=str(data), dataset_split="other", eval_split=None,
                            pref_eval_split=None))
+    shutil.copy(tiny / "data" / "test.jsonl", data / "train.jsonl")  # prompts and answers, no pairs: no fallback
+    with pytest.raises(ValueError, match=r"split not found: .* has no prefs.jsonl"):
+        dpo.main(tiny_args(tiny, tmp_path / "out3", dataset=str(data), eval_split=None, pref_eval_split=None))
 
 
 def test_the_greedy_evaluation_fits_the_model_context(tiny, tmp_path):

@@ -203,7 +203,7 @@ def test_ppo_math_is_ppo_py_s_verbatim():
                  "length_sorted_micro_batches", "left_pad", "prompt_texts", "rl_prompts", "eval_prompts_and_answers",
                  "DataOrder", "ppo_rollout", "ppo_reference_logprobs", "ppo_micro_batches", "old_logprobs_and_values",
                  "compute_advantages", "ppo_update", "ppo_metrics", "perf_metrics", "sample_table",
-                 "truncated_is_weights", "check_ppo_args"):
+                 "truncated_is_weights"):
         assert inspect.getsource(getattr(hybrid, name)) == inspect.getsource(getattr(ppo, name)), name
     assert hybrid.PPO_STATS == ppo.PPO_STATS
 

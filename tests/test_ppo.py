@@ -112,9 +112,6 @@ def test_kl_controllers_hand_computed():
     assert seen["adaptive"] == pytest.approx([0.102, 0.10302, 0.1009596, 0.1009596, 0.098940408])
     # x1.5 above 1.5, /1.5 below 1/1.5 = 0.667: 2.0 up, 1.1 stay, 0.5 down, 1.0 stay, 0.6 down
     assert seen["step"] == pytest.approx([0.15, 0.15, 0.1, 0.1, 0.1 / 1.5])
-    again = ppo.KLController("adaptive", 0.5, target=1.0)
-    again.load_state_dict(adaptive.state_dict())
-    assert again.value == adaptive.value
 
 
 def test_explained_variance_hand_computed():
@@ -312,7 +309,7 @@ def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_
     ({"kl_controller": "step", "kl_target": 1.0, "beta": 0.0}, "needs a positive --kl-target (e.g. 1.0) and --beta"),
     ({"prompts_per_step": 6, "num_mini_batches": 4}, "--num-mini-batches must divide each process's 6 completions: "
                                                      "use --num-mini-batches 3"),
-    ({"value_model_name_or_path": "models/nope"}, "--value-model-name-or-path: model 'models/nope' does not exist"),
+    ({"value_model_name_or_path": "models/nope"}, "model 'models/nope' does not exist"),
     ({"value_model_layers": 3}, "--value-model-layers: use 0 (all) to 2"),
     ({"value_model_layers": -1}, "--value-model-layers must be >= 0"),
     ({"reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),

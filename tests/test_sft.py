@@ -88,8 +88,7 @@ def test_batch_indices_epochs_skip_the_tail():
 def test_gradient_accumulation_gives_the_one_batch_update(tiny):
     """The loss is the token mean over the whole step: 4 micro-batches of 2 make the update one batch of 8 makes."""
     tok = AutoTokenizer.from_pretrained(tiny / "model")
-    rows = [json.loads(line) for line in (tiny / "data" / "sft.jsonl").read_text().splitlines()[:8]]
-    batch = sft.make_examples(tok, {k: [r[k] for r in rows] for k in ("prompt", "completion")}, sft.Args(batch_size=8))
+    batch = sft.load_examples(sft.Args(dataset=str(tiny / "data"), batch_size=8, eval_split=None), tok)[0][:8]
     assert len({len(ids) for ids, _ in batch}) > 1  # padding differs between micro-batches and the whole batch
     flat = lambda model: torch.cat([p.detach().flatten() for p in model.parameters()])  # noqa: E731
     start, weights, losses = flat(AutoModelForCausalLM.from_pretrained(tiny / "model")), [], []
@@ -196,6 +195,11 @@ def test_the_evaluation_and_the_training_rows_must_fit_the_context(tiny, tmp_pat
     fits = short_gpt2(tmp_path / "fits", longest + 8)
     out = sft.main(tiny_args(tiny, tmp_path / "b", model_name_or_path=fits, max_length=longest + 8, total_steps=1))
     assert out["step"] == 1 and "eval/accuracy" in out
+
+
+def test_without_an_eval_split_nothing_is_evaluated(tiny, tmp_path):
+    out = sft.main(tiny_args(tiny, tmp_path, eval_split=None, total_steps=1))
+    assert out["step"] == 1 and not [r for r in read_metrics(out["run_dir"]) if "eval/accuracy" in r]
 
 
 def test_a_fresh_model_needs_no_model_folder_only_a_tokenizer(tiny, tmp_path):
