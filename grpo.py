@@ -60,7 +60,7 @@ class Args:
     max_completion_length: int = 40
     """most new tokens per completion (and in evaluation)"""
     temperature: float = 0.7
-    """sampling temperature; log-probs are of the tempered distribution"""
+    """sampling temperature (log-probs are tempered too)"""
     reward: str = DEFAULT_SPEC
     """reward spec (rewards.make_reward): `name:weight,...` or a JSON file"""
     scale_rewards: Literal["group", "batch", "none"] = "none"
@@ -68,13 +68,13 @@ class Args:
     baseline: Literal["mean", "rloo"] = "mean"
     """subtract the group's mean reward, or the mean of the other G - 1 (RLOO)"""
     dynamic_sampling: bool = False
-    """DAPO: replace groups whose rewards are all equal by fresh ones"""
+    """DAPO: replace groups of equal rewards by fresh ones"""
     max_resample_rounds: int = 4
     """dynamic sampling: most extra draws per step"""
     mask_truncated_completions: bool = False
     """DAPO overlong filtering: completions without EOS get no loss"""
     beta: float = 0.0
-    """KL coefficient to the frozen reference model (0: none is kept)"""
+    """KL coefficient to a frozen reference model (0: none is kept)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html (k3: Eq. 4)"""
     num_iterations: int = 2
@@ -96,9 +96,9 @@ class Args:
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM and its tokenizer"""
+    """local folder or Hub id of the causal LM and its tokenizer"""
     dataset: str = "data/arith"
-    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hub dataset id"""
     dataset_split: str = "train"
     """split with the training prompts"""
     eval_split: Optional[str] = "test"
@@ -124,9 +124,9 @@ class Args:
     learning_rate: float = 1e-4
     """peak learning rate of AdamW"""
     total_steps: int = 250
-    """training steps (may change on --resume: the decay then ends at the new last step)"""
+    """training steps; may change on --resume"""
     micro_batch_size: int = 0
-    """completions per forward/backward pass (0: the largest divisor of the batch up to 128)"""
+    """completions per forward/backward pass (0: the batch's largest divisor up to 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """after warmup: cosine or linear decay to 0, or constant"""
     warmup_steps: int = 30
@@ -146,7 +146,7 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: at the end and on Ctrl-C only)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
+    """also a checkpoint every this many minutes (0: off), so a killed run loses no more"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     num_sample_completions: int = 8
@@ -183,9 +183,9 @@ class Args:
 
 
 def group_advantages(rewards, scale: str, baseline: str = "mean"):
-    """rewards [P, G] -> advantages [P, G] float32: r_i - mean(group) (Sec. 4.1.2), times G / (G - 1) for the mean
-    of the other G - 1 (RLOO, arXiv:2402.14740), over std(group) + 1e-4, std(batch) + 1e-4 or (none, Dr.GRPO) 1.
-    A group whose rewards are all equal gets exactly 0."""
+    """rewards [P, G] -> advantages [P, G] float32: r_i - mean(group) (Sec. 4.1.2), x G / (G - 1) for the mean of
+    the other G - 1 (RLOO, arXiv:2402.14740), over std(group) + 1e-4, std(batch) + 1e-4 or 1 (none, Dr.GRPO); exactly
+    0 in a group of equal rewards."""
     rewards = rewards.float()
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if baseline == "rloo":
@@ -210,20 +210,20 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tupl
     return (eos_before == 0).float(), ~is_eos.any(dim=1)
 
 
-def aggregate_loss(per_token_loss, mask, loss_type: str, *, num_sequences: int, num_tokens: int,
-                   max_completion_length: int, local_tokens: int = 0, world: int = 1):
-    """per_token_loss, mask: [B, T] -> this micro-batch's share of the step's loss:
-        grpo     mean over sequences of each one's token mean  (the 1/|o_i| of Eq. 3)
+def aggregate_loss(per_token_loss, mask, args, num_tokens: int, local_tokens: int, world: int):
+    """per_token_loss, mask: [B, T] -> this micro-batch's share of the step's loss, per --loss-type:
+        grpo     mean over the step's N sequences of each one's token mean  (the 1/|o_i| of Eq. 3)
         bnpo     mean over processes of each one's token mean (local_tokens: TRL's normaliser)
-        dr_grpo  token sum / (num_sequences x max_completion_length)  (Dr.GRPO Sec. 3)
+        dr_grpo  token sum / (N x --max-completion-length)  (Dr.GRPO Sec. 3)
         dapo     token sum / num_tokens, the step's tokens  (DAPO Sec. 3.3); cispo too"""
     masked = (per_token_loss * mask).sum(dim=1)
-    if loss_type == "grpo":
-        return (masked / mask.sum(dim=1).clamp(min=1.0)).sum() / num_sequences
-    if loss_type == "bnpo":
+    n = args.prompts_per_step * args.num_generations
+    if args.loss_type == "grpo":
+        return (masked / mask.sum(dim=1).clamp(min=1.0)).sum() / n
+    if args.loss_type == "bnpo":
         return masked.sum() / max(local_tokens, 1) / world
-    if loss_type == "dr_grpo":
-        return masked.sum() / (num_sequences * max_completion_length)
+    if args.loss_type == "dr_grpo":
+        return masked.sum() / (n * args.max_completion_length)
     return masked.sum() / max(num_tokens, 1)
 
 
@@ -236,7 +236,7 @@ def policy_loss(logp, old_logp, advantages, mask, ref_logp, args):
     and the loss, plus beta KL (Eq. 4; delta: the two-sided clip of INTELLECT-2, arXiv:2505.07291):
         clip   -min(min(x, delta) A, clip(x, 1 - eps_low, 1 + eps_high) A)   Eq. 3; GSPO Eq. 5
         cispo  -sg[min(x, 1 + eps_high)] A log pi(o_it)                     CISPO Eq. 4-5
-    On CUDA, token-level clip losses without delta run as kernels.clipped_policy_loss (same numbers)."""
+    On CUDA the token-level clip loss without delta runs as kernels.clipped_policy_loss (same numbers)."""
     if logp.is_cuda and args.loss_type != "cispo" and args.importance_sampling_level == "token" and args.delta is None:
         return clipped_policy_loss(logp, old_logp, advantages, ref_logp=ref_logp, clip_low=args.clip_low,
                                    clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
@@ -311,15 +311,15 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
             pad([torch.ones_like(r) for r in ids], batch_first=True, padding_side="left"))
 
 
-def concat_rollouts(batches: list[dict], pad_id: int, rows=None) -> dict:
-    """Rollout batches as one, or its `rows` only: prompts re-padded on the left, completions on the right."""
+def concat_rollouts(batches: list[dict], pad_id: int, rows: list) -> dict:
+    """The `rows` of the rollout batches as one: prompts re-padded on the left, completions on the right."""
     out = {}
     for k, v in batches[0].items():
         if isinstance(v, dict):
             out[k] = concat_rollouts([b[k] for b in batches], pad_id, rows)
             continue
         items = [x for b in batches for x in b[k]]
-        items = items if rows is None else [items[i] for i in rows]
+        items = [items[i] for i in rows]
         if isinstance(v, list):
             out[k] = items
         elif v.dim() == 1:
@@ -334,11 +334,10 @@ def concat_rollouts(batches: list[dict], pad_id: int, rows=None) -> dict:
 def dynamic_sampling(draw, num_groups: int, group_size: int, max_rounds: int, pad_id: int) -> tuple[dict, dict]:
     """DAPO dynamic sampling (Sec. 3.2): draw(n) samples n groups; draws go on (at most max_rounds more) until
     num_groups have rewards that differ, short of which zero-advantage groups fill the batch."""
-    batches, n_kept = [], 0
-    while n_kept < num_groups and len(batches) <= max_rounds:
-        batches.append(draw(num_groups - n_kept))
-        n_kept += int(informative_groups(batches[-1]["rewards"]["total"].view(-1, group_size)).sum())
-    good = informative_groups(torch.cat([b["rewards"]["total"] for b in batches]).view(-1, group_size))
+    batches, good = [], torch.zeros(0, dtype=torch.bool)
+    while good.sum() < num_groups and len(batches) <= max_rounds:
+        batches.append(draw(num_groups - int(good.sum())))
+        good = torch.cat([good, informative_groups(batches[-1]["rewards"]["total"].view(-1, group_size))])
     chosen = torch.argsort((~good).int(), stable=True)[:num_groups]  # informative groups first, in the order drawn
     rows = (chosen[:, None] * group_size + torch.arange(group_size)).flatten().tolist()
     return concat_rollouts(batches, pad_id, rows), {"train/sampling_draws": len(batches),
@@ -392,9 +391,8 @@ def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, 
     t1 = time.perf_counter()
     c_mask, truncated = completion_mask(completion_ids, eos_ids)
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    trace = reward.trace(completions, prompts=[data["prompts"][i] for i in rows],
-                         completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)],
-                         **{name: [v[i] for i in rows] for name, v in data["columns"].items()})
+    trace = reward.trace(completions, **{name: [v[i] for i in rows] for name, v in data["columns"].items()},
+                         completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)])
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
     return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
@@ -403,27 +401,8 @@ def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, 
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
 
 
-def micro_batches(batch: dict, advantages, mask, size: int, skip_zero: bool) -> list[dict]:
-    """The batch in length-sorted micro-batches of `size` rows, each trimmed to its widest prompt and completion;
-    skip_zero: less the rows of advantage 0 (at beta = 0 their gradient is 0), but at least one, so that DDP syncs."""
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
-    width = batch["prompt_ids"].shape[1]
-    kept = torch.arange(len(advantages), device=advantages.device)
-    if skip_zero:
-        kept = kept[advantages != 0] if advantages.any() else kept[:size]
-    out = []
-    for rows, first, end in length_sorted_micro_batches(batch["prompt_mask"][kept], batch["completion_mask"][kept],
-                                                        size):
-        r = kept[rows]
-        out.append({"inputs": (ids[r, first : width + end], attention[r, first : width + end], width - first),
-                    "mask": mask[r, :end], "advantages": advantages[r, None],
-                    "sampler_logp": batch["sampler_logp"][r, :end]})
-    return out
-
-
 def logprobs_without_adapters(model, *inputs):
-    """The frozen reference of a LoRA policy: the policy with its adapters off."""
+    """A LoRA policy's frozen reference."""
     with model.disable_adapter():
         return completion_logprobs(model, *inputs)
 
@@ -441,9 +420,24 @@ def old_policy_terms(mb: dict, old_logp, args, reference, sums: dict):
             mb["ref_logp"] = reference(*mb["inputs"], args.temperature)
 
 
-def grpo_update(policy, optimizer, chunks: list[dict], args, reference, tokens: tuple, world: int, autocast) -> dict:
-    """mu AdamW updates on one batch: policy_loss per token, aggregated per --loss-type. tokens: the step's loss tokens
-    (all processes, this one's) -> the sums grpo_metrics reads."""
+def grpo_update(run, policy, optimizer, batch: dict, advantages, mask, args, reference, autocast, size: int) -> dict:
+    """mu AdamW updates on this process's batch in length-sorted micro-batches of `size` rows, each trimmed to its
+    widest prompt and completion -> the sums grpo_metrics reads. At beta = 0 rows of advantage 0 (gradient 0) are left
+    out (one micro-batch stays if all are, so that DDP syncs); not under --fsdp, where every pass is collective."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
+    width = batch["prompt_ids"].shape[1]
+    kept = torch.arange(len(advantages), device=advantages.device)
+    if args.beta == 0 and not run.fsdp:
+        kept = kept[advantages != 0] if advantages.any() else kept[:size]
+    chunks = []
+    for rows, first, end in length_sorted_micro_batches(batch["prompt_mask"][kept], batch["completion_mask"][kept],
+                                                        size):
+        r = kept[rows]
+        chunks.append({"inputs": (ids[r, first : width + end], attention[r, first : width + end], width - first),
+                       "mask": mask[r, :end], "advantages": advantages[r, None],
+                       "sampler_logp": batch["sampler_logp"][r, :end]})
+    tokens = int(run.gather(mask.sum()[None]).sum()), int(mask.sum())  # the step's loss tokens, this process's
     sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "tis_capped"), 0.0)
     ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
     if args.top_entropy_quantile < 1:  # one more forward pass: the batch's entropies before any update
@@ -465,10 +459,8 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference, tokens: 
                     per_token = torch.where(mb["keep"], per_token, args.beta * kl)
                 if "tis" in mb:  # the sampler drew the tokens: weigh pi_old's whole per-token loss back to them
                     per_token = per_token * mb["tis"]
-                loss = aggregate_loss(per_token, mb["mask"], args.loss_type, num_sequences=args.prompts_per_step *
-                                      args.num_generations, num_tokens=tokens[0], local_tokens=tokens[1], world=world,
-                                      max_completion_length=args.max_completion_length)
-                (loss * world).backward()  # DDP averages gradients over processes
+                loss = aggregate_loss(per_token, mb["mask"], args, *tokens, run.world)
+                (loss * run.world).backward()  # DDP averages gradients over processes
             sums["loss"] += loss.item()
             for name, x in (("kl", kl), ("clip_frac", clipped), ("entropy", entropy), ("tokens", mb["mask"])):
                 sums[name] += float((x.detach() * mb["mask"]).sum())
@@ -480,7 +472,8 @@ def grpo_update(policy, optimizer, chunks: list[dict], args, reference, tokens: 
 
 def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, steps: int) -> dict:
     """The step's metrics over all processes; perf/ over the `steps` since the last log row."""
-    totals = {**sums, "length": float(batch["completion_mask"].sum()), "truncated": float(batch["truncated"].sum())}
+    totals = {**sums, "completion_length": float(batch["completion_mask"].sum()),
+              "truncated_frac": float(batch["truncated"].sum())}
     t = dict(zip(totals, run.gather(torch.tensor([list(totals.values())], device=rewards.device)).sum(0).tolist()))
     n_tok = max(t["tokens"], 1)
     return {"train/loss": t["loss"] / args.num_iterations, "train/reward": float(rewards.mean()),
@@ -490,31 +483,31 @@ def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, step
             **{f"train/{k}": t[k] / n_tok for k in ("kl", "clip_frac", "entropy")},
             "train/tis_capped_frac": t["tis_capped"] * args.num_iterations / n_tok,
             "train/grad_norm": sums["grad_norm"],
-            "train/completion_length": t["length"] / rewards.numel(),
-            "train/truncated_frac": t["truncated"] / rewards.numel(),
+            **{f"train/{k}": t[k] / rewards.numel() for k in ("completion_length", "truncated_frac")},
             "train/frac_zero_std": float((~informative_groups(rewards)).float().mean()),
             "perf/tokens_per_s": timing["tokens"] * run.world / max(timing["step"], 1e-9),
             **{f"perf/{k}_s": timing[k] / steps for k in ("step", "generate", "score", "train")}}
 
 
 def load_prompts(args, tokenizer, reward):
-    """The training prompts, tokenised, with the columns the reward needs, and the eval split, read (so checked)
-    before the model loads -> (data, eval prompts, eval answers)."""
+    """The training prompts, tokenised, with the reward's keyword arguments, and the eval split -> (data, eval prompts,
+    eval answers)."""
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
     train = load_split(args, "dataset_split", [args.prompt_column, *columns.values()],
-                       f"--prompt-column/--answer-column, or a --reward that needs no such column ({args.reward!r})")
+                       "--prompt-column/--answer-column, or a --reward that does not need it")
     prompts = list(train[args.prompt_column])
     texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
     ids = [row[-args.max_prompt_length:] for row in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if not all(ids):
         raise ValueError(f"prompt {ids.index([])} of split '{args.dataset_split}' is empty: remove it")
-    data = {"ids": ids, "prompts": prompts, "texts": texts, "columns": {k: list(train[c]) for k, c in columns.items()}}
+    data = {"ids": ids, "texts": texts,
+            "columns": {"prompts": prompts, **{k: list(train[c]) for k, c in columns.items()}}}
     if not args.eval_split:
         return data, [], []
     ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column], "--prompt-column/--answer-column")
-    n = min(len(ev), args.eval_limit)
-    eval_prompts = prompt_texts(tokenizer, list(ev[args.prompt_column][:n]), args.use_chat_template, args.prompt_column)
-    return data, eval_prompts, list(ev[args.answer_column][:n])
+    ev = ev[: args.eval_limit]  # columns -> lists
+    eval_prompts = prompt_texts(tokenizer, ev[args.prompt_column], args.use_chat_template, args.prompt_column)
+    return data, eval_prompts, ev[args.answer_column]
 
 
 def load_policy(args, run, tokenizer):
@@ -532,9 +525,8 @@ def load_policy(args, run, tokenizer):
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                          target_modules="all-linear", task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
+                                                 lora_dropout=args.lora_dropout, task_type="CAUSAL_LM"))
         reference = Forward(logprobs_without_adapters, model) if args.beta > 0 else None
     elif args.beta > 0:
         reference = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
@@ -552,7 +544,7 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "sa
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments from the checkpoint).
+    # 0. Check every input before any work (a resumed run takes its own arguments).
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     reward = make_reward(args.reward)
@@ -560,20 +552,20 @@ def main(args: Args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
 
-    # 1. Data (prompts tokenised once, the reward's columns, the eval split), checked against the model's context.
+    # 1. Data, checked against the model's context.
     data, eval_prompts, eval_answers = load_prompts(args, tokenizer, reward)
     prompt_ids = data["ids"] + [tokenizer(p, add_special_tokens=False).input_ids for p in eval_prompts]
     check_context(AutoConfig.from_pretrained(args.model_name_or_path), prompt_ids, args.max_completion_length,
                   "--max-completion-length")
 
-    # 2. Model: the policy (LoRA with --lora-r) and, when beta > 0, a frozen reference.
+    # 2. Model: the policy and, when beta > 0, a frozen reference.
     model, policy, reference, eos_ids = load_policy(args, run, tokenizer)
     eos = torch.tensor(eos_ids, device=run.device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, eos_token_id=eos_ids,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id)
 
-    # 3. Optimiser, schedule and data order (one per process); on --resume the weights, then all their states.
+    # 3. Optimiser, schedule and data order (one per process); --resume restores them all.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
     run.trained = (policy, optimizer)  # what --fsdp checkpoints in shards
@@ -615,8 +607,7 @@ def main(args: Args) -> dict:
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
-            # 4a. Sample G completions of each prompt and score them (Algorithm 1 of arXiv:2402.03300); with dynamic
-            #     sampling, replace groups whose rewards are all equal (DAPO, Sec. 3.2).
+            # 4a. Sample G completions of each prompt and score them (Algorithm 1); DAPO: refill all-equal groups.
             with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
                 if args.dynamic_sampling:
                     batch, draws = dynamic_sampling(draw, groups, G, args.max_resample_rounds, tokenizer.pad_token_id)
@@ -629,11 +620,8 @@ def main(args: Args) -> dict:
             mask = batch["completion_mask"]
             if args.mask_truncated_completions:  # DAPO's overlong filtering (Sec. 3.4)
                 mask = mask * ~batch["truncated"][:, None]
-            # (not under --fsdp: there every pass is collective, so all processes run as many)
-            chunks = micro_batches(batch, advantages, mask, micro, skip_zero=args.beta == 0 and not run.fsdp)
-            # 4c. mu updates on this batch: the loss per token (Eq. 3), aggregated per --loss-type.
-            tokens = (int(run.gather(mask.sum()[None]).sum()), int(mask.sum()))
-            sums = grpo_update(policy, optimizer, chunks, args, reference, tokens, run.world, autocast)
+            # 4c. mu updates on this batch (Eq. 3).
+            sums = grpo_update(run, policy, optimizer, batch, advantages, mask, args, reference, autocast, micro)
             gap = sampler_gap(run, sums["sampler_gap"], sums["tokens"] / args.num_iterations)  # stops a mismatch
             lr = scheduler.get_last_lr()[0]  # the rate of this step's updates
             scheduler.step()
@@ -649,8 +637,7 @@ def main(args: Args) -> dict:
                 table = [[step, p, c, float(r), float(a)] for p, c, r, a in zip(
                     batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n], advantages[:n])]
                 run.log(final, ("train/samples", ["step", "prompt", "completion", "reward", "advantage"], table))
-                last_log = step
-                timing = dict.fromkeys(timing, 0.0)
+                last_log, timing = step, dict.fromkeys(timing, 0.0)
 
     # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) in final/.
     merged = (lambda: copy.deepcopy(model).merge_and_unload()) if args.lora_r else model

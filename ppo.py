@@ -610,7 +610,8 @@ def load_policy_and_value_model(args, device, tokenizer):
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
-        lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules="all-linear")
+        lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                    target_modules="all-linear")
         model = get_peft_model(model, LoraConfig(**lora, task_type="CAUSAL_LM"))
         value_model = get_peft_model(value_model, LoraConfig(**lora, task_type="TOKEN_CLS",  # TOKEN_CLS saves the head
                                                              exclude_modules=["score", "classifier"]))

@@ -391,11 +391,12 @@ def test_the_greedy_evaluation_fits_the_model_context(tiny, tmp_path):
     prompts = [json.loads(line)["prompt"] for line in (tiny / "data" / "test.jsonl").read_text().splitlines()][:4]
     longest = max(map(len, AutoTokenizer.from_pretrained(tiny / "model")(prompts, add_special_tokens=False).input_ids))
     kw = {"max_completion_length": 8, "max_prompt_length": longest, "total_steps": 1}
+    short, fits = (short_gpt2(tmp_path / f"gpt2-{n}", n) for n in (longest + 7, longest + 8))  # n positions
     with pytest.raises(ValueError, match=rf"a {longest}-token prompt and --max-completion-length 8 exceed the model's "
                                          rf"{longest + 7} positions: pass --max-completion-length 7 or less"):
-        dpo.main(tiny_args(tiny, tmp_path / "short", model_name_or_path=short_gpt2(tmp_path / "m1", longest + 7), **kw))
+        dpo.main(tiny_args(tiny, tmp_path / "short", model_name_or_path=short, **kw))
     assert not (tmp_path / "short").exists()
-    out = dpo.main(tiny_args(tiny, tmp_path / "fits", model_name_or_path=short_gpt2(tmp_path / "m2", longest + 8), **kw))
+    out = dpo.main(tiny_args(tiny, tmp_path / "fits", model_name_or_path=fits, **kw))
     assert out["step"] == 1 and "eval/accuracy" in out
 
 

@@ -93,13 +93,12 @@ EXPECTED = {
 
 @pytest.mark.parametrize("loss_type", list(EXPECTED))
 def test_aggregate_loss_hand_computed_with_ragged_lengths(loss_type):
-    kw = {"num_sequences": 4, "num_tokens": 10, "max_completion_length": 4, "local_tokens": 10}
-    whole = grpo.aggregate_loss(LOSS, MASK, loss_type, **kw)
-    split = sum(grpo.aggregate_loss(LOSS[r], MASK[r], loss_type, **kw) for r in (slice(0, 2), slice(2, 4)))
+    args = SimpleNamespace(loss_type=loss_type, prompts_per_step=2, num_generations=2, max_completion_length=4)
+    whole = grpo.aggregate_loss(LOSS, MASK, args, 10, 10, 1)  # 10 tokens in the step, all of them this process's
+    split = sum(grpo.aggregate_loss(LOSS[r], MASK[r], args, 10, 10, 1) for r in (slice(0, 2), slice(2, 4)))
     assert (whole.item(), split.item()) == pytest.approx(EXPECTED[loss_type], rel=1e-6)
     # two processes holding rows 0-1 (4 tokens) and 2-3 (6 tokens): bnpo is the mean of their token means
-    procs = sum(grpo.aggregate_loss(LOSS[r], MASK[r], loss_type, **{**kw, "local_tokens": n, "world": 2})
-                for r, n in ((slice(0, 2), 4), (slice(2, 4), 6)))
+    procs = sum(grpo.aggregate_loss(LOSS[r], MASK[r], args, 10, n, 2) for r, n in ((slice(0, 2), 4), (slice(2, 4), 6)))
     assert procs.item() == pytest.approx((10 / 4 + 18 / 6) / 2 if loss_type == "bnpo" else EXPECTED[loss_type][0])
 
 
@@ -244,7 +243,7 @@ def fake_draw(reward_rows: list[list[float]], widths: list[int]):
                             "completion_ids": torch.full((g, 3), 5), "completion_mask": torch.ones(g, 3),
                             "truncated": torch.zeros(g, dtype=torch.bool),
                             "rewards": {"total": torch.tensor(rewards)}, "prompts": [f"w{width}"] * g})
-        return grpo.concat_rollouts(batches, pad_id=0)
+        return grpo.concat_rollouts(batches, 0, range(sum(len(rewards) for rewards, _ in picked)))
 
     return draw, calls
 

@@ -213,6 +213,37 @@ def test_target_kl_stops_the_epochs(tiny, tmp_path, capsys):
     assert len(lines) == 2 and all("| reward " in line and "| kl " in line for line in lines), lines
 
 
+def test_target_kl_is_that_of_all_processes_also_under_fsdp(monkeypatch):
+    """Under torchrun, with DDP or --fsdp (whose module is not DDP-wrapped, as here), the epochs stop on the KL summed
+    over the processes, so that all stop together: this process's own KL is 0, another's (added by the all_reduce)
+    is 1 a token, above --target-kl, so one epoch of three runs."""
+    class ActorCritic(torch.nn.Module):  # log-probs and values from two scalars; pi = pi_old at the start
+        def __init__(self):
+            super().__init__()
+            self.policy, self.value = torch.nn.Parameter(torch.zeros(())), torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, ids, attention, prompt_width, temperature):
+            logp = self.policy - torch.ones(ids[:, prompt_width:].shape)
+            return logp, torch.zeros_like(logp), self.value.expand_as(logp)
+
+    def all_reduce(kl_tokens):  # another process, as many tokens at KL 1
+        kl_tokens += torch.stack([kl_tokens[1], kl_tokens[1]])
+        reduced.append(True)
+
+    reduced, model = [], ActorCritic()
+    monkeypatch.setattr(ppo.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(ppo.dist, "all_reduce", all_reduce)
+    ones = torch.ones(2, 3)
+    batch = {"completion_mask": ones, "prompt_ids": torch.zeros(2, 1, dtype=torch.long),
+             "prompt_mask": torch.ones(2, 1, dtype=torch.long), "ids": torch.zeros(2, 4, dtype=torch.long),
+             "attention": torch.ones(2, 4, dtype=torch.long), "old_logp": -ones, "advantages": ones,
+             "old_values": 0 * ones, "returns": ones}
+    optimizer = torch.optim.AdamW([{"params": [model.policy]}, {"params": [model.value]}], lr=1e-3)
+    args = ppo.Args(num_ppo_epochs=3, num_mini_batches=1, target_kl=0.1)
+    stats = ppo.ppo_update(model, optimizer, batch, 2, args, torch.autocast("cpu", enabled=False))
+    assert stats["ppo_epochs"] == 1 and reduced == [True] and stats["approx_kl"] == 0.0
+
+
 def test_learning_raises_the_reward(tiny, tmp_path, capsys):
     """The task's prompts, a random 2-layer model and the `capitalization` reward (0.5 for an upper-case first
     letter + 0.5 for final punctuation): the mean reward of the last 5 of 25 steps must beat the first 5 by 0.3

@@ -473,16 +473,16 @@ def pipeline_commands() -> list[list[str]]:
     return [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
-# Appended to each documented command (the last value of a flag wins): a tiny budget. sft.py goes on from
-# models/tiny-arith at its default rate, so that its samples are right often enough to make preferences; PPO
-# pauses at step 1.
-TINY = {"sft.py": "--model-config None --learning-rate 3e-4 --total-steps 2 --batch-size 8 --eval-split None "
-                  "--warmup-steps 0",
-        "reward_model.py": "--comparisons 4 --comparison-prompts 24 --tie-start-step 2 --total-steps 3 --batch-size 4 "
-                           "--micro-batch-size 2 --eval-limit 16 --eval-every 0 --warmup-steps 0",
-        "ppo.py": "--prompts-per-step 2 --micro-batch-size 4 --total-steps 2 --pause-at-step 1 --eval-split None "
-                  "--warmup-steps 0"}
-TINY_RM2 = "--tie-start-step 0 --total-steps 2"  # the second reward model: 2 steps, no --tie-start-step of its own
+# Appended to each documented command in turn (the last value of a flag wins): a tiny budget. sft.py goes on from
+# models/tiny-arith at its default rate, so that its samples are right often enough to make preferences; PPO pauses
+# at step 1; the resume takes the run's own flags.
+RM_TINY = "--comparisons 4 --comparison-prompts 24 --batch-size 4 --micro-batch-size 2 --eval-limit 16 --eval-every 0"
+TINY = ("--model-config None --learning-rate 3e-4 --total-steps 2 --batch-size 8 --eval-split None --warmup-steps 0",
+        f"{RM_TINY} --tie-start-step 2 --total-steps 3 --warmup-steps 0",
+        "--prompts-per-step 2 --micro-batch-size 4 --total-steps 2 --pause-at-step 1 --eval-split None "
+        "--warmup-steps 0",
+        f"{RM_TINY} --total-steps 2 --warmup-steps 0",
+        "")
 
 
 def test_instructgpt_pipeline_the_five_commands(tmp_path, monkeypatch):
@@ -501,14 +501,14 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path, monkeypatch):
         (tmp_path / folder).symlink_to(ROOT / folder)
     monkeypatch.chdir(tmp_path)
     commands = pipeline_commands()
-    assert [argv[1] for argv in commands] == ["sft.py", "reward_model.py", "ppo.py", "reward_model.py", "ppo.py"]
+    assert [argv[:2] for argv in commands] == [["python", s] for s in ("sft.py", "reward_model.py", "ppo.py",
+                                                                        "reward_model.py", "ppo.py")]
     outs = []
-    for n, argv in enumerate(commands):
-        argv = [a.replace("checkpoints/step_150", "checkpoints/step_1") for a in argv[2:]]
-        tiny = "" if "--resume" in argv else TINY[commands[n][1]] + (" " + TINY_RM2) * (n == 3)
-        module = {"sft.py": sft, "reward_model.py": rm, "ppo.py": ppo}[commands[n][1]]
-        outs.append(module.main(tyro.cli(module.Args, args=argv + tiny.split())))
-    sft_out, rm_out, paused_out, rm2_out, out = outs
+    for argv, tiny in zip(commands, TINY, strict=True):
+        module = {"sft.py": sft, "reward_model.py": rm, "ppo.py": ppo}[argv[1]]
+        flags = [a.replace("checkpoints/step_150", "checkpoints/step_1") for a in argv[2:]] + tiny.split()
+        outs.append(module.main(tyro.cli(module.Args, args=flags)))
+    _, rm_out, paused_out, rm2_out, out = outs
 
     run = tmp_path / "runs" / "rm"
     assert (tmp_path / "runs/sft/model.safetensors").exists() and rm_out["run_dir"] == "runs/rm"
