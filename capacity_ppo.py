@@ -697,11 +697,10 @@ def sigterm(signum, frame):  # a cluster's preemption: stop as on Ctrl-C
 
 
 def command_line(Args, main) -> None:
-    """main(the flags); this repository's ValueErrors as one line, not a traceback. Exit code 0 at --total-steps,
-    128 + the signal after a saved Ctrl-C (130) or SIGTERM (143), 130 after a second Ctrl-C."""
+    """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
     try:
         stop = main(tyro.cli(Args))["interrupted"]
-        if stop > 1:  # (True: a planned pause)
+        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)

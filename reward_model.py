@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from datasets import load_dataset
+from datasets import Dataset, load_dataset
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
@@ -876,21 +876,16 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
         fixes = [f"--{f.replace('_', '-')} {'None' if 'eval' in f else '|'.join(have) or '<split>'}" for f in missing]
         raise ValueError(f"split not found: {path} has no {', '.join(s + '.jsonl' for s in missing.values())} (its "
                          f"splits: {', '.join(have) or 'none'}): pass {' '.join(fixes)} (None skips an eval split)")
-    if not path.exists():
+    if path.exists():
+        rows = json_lines(file, option)
+        ds = Dataset.from_dict({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
+    else:
         check_local_or_hub("dataset", args.dataset)
-    try:
-        if path.is_dir():
-            ds = load_dataset("json", data_files={split: str(file)}, split=split)
-        elif path.is_file():
-            ds = load_dataset("json", data_files=str(path), split="train")
-        else:
+        try:
             ds = load_dataset(args.dataset, split=split)
-    except Exception as e:  # the file's first bad line, else the loader's own error (e.g. offline), in one line
-        raise ValueError(f"{file}{file.is_file() and json_lines_problem(file, option) or f': {e}'}") from None
+        except Exception as e:  # e.g. offline: the loader's own error, in one line
+            raise ValueError(f"dataset '{args.dataset}': {e}") from None
     missing = [c for c in columns if c not in ds.column_names]
-    problem = missing and file.is_file() and json_lines_problem(file, option)  # e.g. rows that are JSON lists
-    if problem:
-        raise ValueError(f"{file}{problem}")
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
@@ -900,25 +895,25 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
         parts = ds.train_test_split(test_size=0.1, seed=0)
         if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
             print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
-                  f"for evaluation, {len(parts['train'])} train; a folder of <split>.jsonl files chooses the splits")
+                  f"for evaluation (a folder of <split>.jsonl files names its splits)")
         ds = parts["test" if "eval" in flag else "train"]
     return ds
 
 
-def json_lines_problem(file: Path, option: str) -> Optional[str]:
-    """The first line of a JSON-lines file that is not a JSON object, as ', line N: why'."""
-    rows = [(i, line) for i, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
-    if not rows:
-        return " is empty: it needs at least one JSON line"
-    skip = f" (or skip this split: {option} None)" if "eval" in option else ""
-    for i, line in rows:
+def json_lines(file: Path, option: str) -> list[dict]:
+    """The rows of a JSON-lines file; the first bad line: one line naming the file and line."""
+    rows, skip = [], f" (or skip this split: {option} None)" if "eval" in option else ""
+    for i, line in enumerate(file.read_text().splitlines(), 1):
         try:
-            row = json.loads(line)
+            rows += [json.loads(line)] if line.strip() else []
         except json.JSONDecodeError as e:
-            return f", line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}"
-        if not isinstance(row, dict):
-            return f", line {i}: expected a JSON object with named columns, got {type(row).__name__}{skip}"
-    return None
+            raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}") from None
+        if rows and not isinstance(rows[-1], dict):
+            raise ValueError(f"{file}, line {i}: expected a JSON object with named columns, got "
+                             f"{type(rows[-1]).__name__}{skip}")
+    if not rows:
+        raise ValueError(f"{file} is empty: it needs at least one JSON line")
+    return rows
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
@@ -982,16 +977,13 @@ def check_fsdp(args) -> None:
         raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
         raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
-    if getattr(args, "model_config", None):
-        config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
-    else:
-        config = AutoConfig.from_pretrained(args.model_name_or_path)
+    config = AutoConfig.from_pretrained(getattr(args, "model_config", None) or args.model_name_or_path)
     with torch.device("meta"):
         decoder_layers(AutoModel.from_config(config))
 
 
 def decoder_layers(model) -> list:
-    """The blocks FSDP2 shards one by one: the longest ModuleList of a single block class (model.layers, h, ...)."""
+    """The blocks FSDP2 shards one by one: the longest ModuleList of one block class (model.layers, h, ...)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
     if not lists:
         raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__} (a torch.nn.ModuleList of "
@@ -1090,7 +1082,7 @@ class Run:
         self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
 
     def restore(self, model, optimizer, scheduler) -> dict:
-        """--resume: weights (shards, LoRA adapters or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
+        """--resume: weights (shards, LoRA or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
         self.trained[0].train()  # from_pretrained leaves eval mode, where gradient checkpointing is off
         if not self.args.resume:
             return {}
@@ -1099,8 +1091,7 @@ class Run:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-            model_state, optim_state = get_state_dict(*self.trained)
-            shards = {"model": model_state, "optimizer": optim_state}
+            shards = dict(zip(("model", "optimizer"), get_state_dict(*self.trained)))
             dcp.load(shards, checkpoint_id=str(path / "sharded"))
             set_state_dict(*self.trained, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
         elif getattr(self.args, "lora_r", 0):
@@ -1178,7 +1169,7 @@ class Run:
         return torch.cat(parts)
 
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
-        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, each process's `per_rank`)."""
+        """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, `per_rank` of each)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
         self.saved, self.saved_at = path, time.time()
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
@@ -1188,8 +1179,7 @@ class Run:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
-            model_state, optim_state = get_state_dict(*self.trained)
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(sharded))
+            dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
         if self.rank == 0:
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
@@ -1202,7 +1192,7 @@ class Run:
             dist.barrier()
 
     def log(self, metrics: dict, table: Optional[tuple[str, list, list]] = None) -> None:
-        """A row of metrics.jsonl and W&B (`table`: key, columns, rows); on CUDA a training row gets perf/peak_gb."""
+        """A row of metrics.jsonl and W&B (`table`: key, columns, rows), with perf/peak_gb on CUDA."""
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -1334,11 +1324,10 @@ class Run:
 
 
 def command_line(Args, main) -> None:
-    """main(the flags); this repository's ValueErrors as one line, not a traceback. Exit code 0 at --total-steps,
-    128 + the signal after a saved Ctrl-C (130) or SIGTERM (143), 130 after a second Ctrl-C."""
+    """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
     try:
         stop = main(tyro.cli(Args))["interrupted"]
-        if stop > 1:  # (True: a planned pause)
+        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)

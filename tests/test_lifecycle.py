@@ -282,7 +282,7 @@ BAD = [
     ({"model_name_or_path": "data"}, "'data' is not a model folder: it has no config.json"),
     ({"dataset": "data/nope"}, "dataset 'data/nope' does not exist: pass a local folder or a hub id, e.g. data/arith"),
     ({"dataset": "nope.jsonl"}, "dataset 'nope.jsonl' does not exist"),
-    ({"dataset": "someone/some-dataset"}, "someone/some-dataset: Couldn't reach 'someone/some-dataset' on the Hub"),
+    ({"dataset": "someone/some-dataset"}, "dataset 'someone/some-dataset': Couldn't reach 'someone/some-dataset' on the Hub"),
     ({"model_name_or_path": "someone/some-model"}, "model 'someone/some-model': not in the Hugging Face cache "
                                                    "(HF_HUB_OFFLINE=1): `hf download someone/some-model`, then pass"),
     ({"total_steps": 0}, "--total-steps must be positive, got 0"),
