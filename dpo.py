@@ -350,8 +350,8 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
 
 def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
     """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
-    work: a bad row is one line naming the file and line (a hub split: its row). The default --dataset-split prefs of
-    a folder without prefs.jsonl is its train.jsonl if that holds pairs (said; args.json records it)."""
+    work: a bad row is one line naming the file and line (a hub split: its row). A folder without prefs.jsonl (the
+    default --dataset-split) trains on its train.jsonl of pairs, if any (said; args.json records it)."""
     path = Path(args.dataset).expanduser()
     train = path / "train.jsonl"
     if args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and train.exists():
@@ -609,7 +609,7 @@ def main(args: Args) -> dict:
             seconds += time.perf_counter() - t_step
             tokens += sum(2 * len(p) + len(c) + len(r) for p, c, r in mine)
 
-            # 4c. Log the implicit rewards, their margin and accuracy, the log-probs, and the timings.
+            # 4c. Log the implicit rewards, their margin and accuracy, the log-probs, the timings.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **dpo_metrics(run, sums, args.batch_size), "train/grad_norm": float(grad_norm),
                          "train/lr": lr, "perf/step_s": seconds / (step - last_log),

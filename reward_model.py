@@ -372,8 +372,8 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
 
 def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
     """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
-    work: a bad row is one line naming the file and line (a hub split: its row). The default --dataset-split prefs of
-    a folder without prefs.jsonl is its train.jsonl if that holds pairs (said; args.json records it)."""
+    work: a bad row is one line naming the file and line (a hub split: its row). A folder without prefs.jsonl (the
+    default --dataset-split) trains on its train.jsonl of pairs, if any (said; args.json records it)."""
     path = Path(args.dataset).expanduser()
     train = path / "train.jsonl"
     if args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and train.exists():
@@ -467,7 +467,7 @@ def score_sequences(model, rows: list, pad_id: int, device, autocast, batch_size
 
 
 def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = False) -> dict:
-    """Held-out pairs -> pair accuracy (a tie is wrong), mean margin r_c - r_r and the loss of Eq. 1."""
+    """Held-out pairs -> pair accuracy (a tie is wrong), mean margin r_c - r_r, the loss of Eq. 1."""
     scores = score_sequences(model, [p[i] for i in (0, 1) for p in pairs], pad_id, device, autocast, progress=progress)
     chosen, rejected = scores.split(len(pairs))
     return {"eval/pref_accuracy": float((chosen > rejected).float().mean()), "eval/margin":
@@ -729,7 +729,7 @@ def main(args: Args) -> dict:
             tokens += sum(sum(map(len, x[0])) if rankings else len(x[0]) + len(x[1]) for x in mine)  # the texts' tokens
             seconds += time.perf_counter() - t_step
 
-            # 4c. Log the loss, pair accuracy and margin of this step's batch, and the timings.
+            # 4c. Log the loss, pair accuracy and margin of this step's batch, the timings.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **preference_metrics(run, sums), "train/grad_norm": float(grad_norm),
                          "train/lr": lr, "perf/step_s": seconds / (step - last_log),
