@@ -162,7 +162,7 @@ class Args:
     run_dir: Optional[str] = None
     """the run directory itself, not <output-dir>/<run name>; must not exist"""
     run_name: tyro.conf.Suppress[str] = ""
-    """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
+    """set at run time"""
 
 
 # ---- the algorithm
@@ -174,16 +174,14 @@ def pair_logratios(policy_chosen, policy_rejected, ref_chosen, ref_rejected, cho
     with "mean": per token (TRL); simpo: log pi(y|x) / |y| (Eq. 6 of arXiv:2405.14734; ref_* may be None)."""
     if loss_type == "simpo":
         return policy_chosen / chosen_tokens, policy_rejected / rejected_tokens
-    chosen = policy_chosen - ref_chosen
-    rejected = policy_rejected - ref_rejected
+    chosen, rejected = policy_chosen - ref_chosen, policy_rejected - ref_rejected
     if loss_type == "ipo" and ipo_logps == "mean":
         return chosen / chosen_tokens, rejected / rejected_tokens
     return chosen, rejected
 
 
 def dpo_loss(chosen, rejected, loss_type: str, beta: float, eps: float = 0.0, simpo_gamma: float = 0.0) -> torch.Tensor:
-    """Per-pair loss from pair_logratios' terms: chosen, rejected [B] -> loss [B]; d = chosen - rejected, eps: the
-    label smoothing."""
+    """pair_logratios' terms [B] -> the per-pair loss [B] of d = chosen - rejected; eps: the label smoothing."""
     d = chosen - rejected
     if loss_type == "hinge":  # SLiC-HF's calibration loss (arXiv:2305.10425), margin 1 / beta
         return torch.relu(1 - beta * d)
@@ -226,8 +224,8 @@ def pair_logprobs(model, pairs: list, pad_id: int, packed: bool) -> torch.Tensor
 
 
 def collate_completions(pairs: list, pad_id: int):
-    """(prompt, chosen, rejected) token lists -> ids, attention mask, completion mask, each [2B, T] right-padded:
-    prompt + chosen rows, then prompt + rejected rows."""
+    """(prompt, chosen, rejected) token lists -> ids, attention and completion masks, [2B, T] right-padded: the
+    prompt + chosen rows, then the prompt + rejected."""
     rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p + c) for p, c in rows], True, pad_id)
     col = torch.arange(ids.shape[1])
@@ -245,14 +243,13 @@ def pack_completions(pairs: list, pad_id: int):
     columns, targets, owners = [], [], []
     for b, (p, c, r) in enumerate(pairs):
         n = shared_prefix(c, r)
-        for j, token in enumerate(c):  # chosen token j is predicted at column len(p) + j - 1
+        targets += c + r[n:]
+        for j in range(len(c)):  # chosen token j is predicted at column len(p) + j - 1
             owners += [(b, len(columns))] + [(B + b, len(columns))] * (j < n)
             columns.append(b * width + len(p) + j - 1)
-            targets.append(token)
         for j in range(n, len(r)):  # the first tail token is predicted by the prefix's last, the rest by the tail
             owners.append((B + b, len(columns)))
             columns.append(b * width + (len(p) + n - 1 if j == n else len(p) + len(c) + j - n - 1))
-            targets.append(r[j])
     return ids, allowed, position_ids, torch.tensor(columns), torch.tensor(targets), torch.tensor(owners).T
 
 
@@ -403,8 +400,7 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
 
 
 def tokenize_completions(tokenizer, ds, args: Args) -> list[tuple]:
-    """Pairs as (prompt, chosen + EOS, rejected + EOS) token ids: a prompt keeps its last --max-prompt-length
-    tokens, a completion its first --max-completion-length."""
+    """Pairs as (prompt, chosen + EOS, rejected + EOS) token ids, cut to --max-prompt/completion-length."""
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     texts = prompt_texts(tokenizer, list(ds[args.prompt_column]), args.use_chat_template, args.prompt_column)
     prompts = [ids[-args.max_prompt_length :] for ids in encode(texts)]
@@ -434,9 +430,10 @@ def load_data(args: Args, tokenizer) -> tuple:
     return pairs, eval_pairs, prompts, answers
 
 
-def load_model(name: str, dtype, device):
+def load_model(args: Args, device):
     """A causal LM with dropout off (TRL's disable_dropout): the policy and the reference must be one function."""
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device)
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -446,8 +443,7 @@ def load_model(name: str, dtype, device):
 def load_models(args: Args, tokenizer, device) -> tuple:
     """The policy (with LoRA: a PEFT model), the frozen reference loaded again (None with LoRA, SimPO or
     --precompute-ref-logps), the EOS ids."""
-    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, ref_model = load_model(args.model_name_or_path, dtype, device), None
+    model, ref_model = load_model(args, device), None
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -457,7 +453,7 @@ def load_models(args: Args, tokenizer, device) -> tuple:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
                                                  lora_dropout=args.lora_dropout, task_type="CAUSAL_LM"))
     elif args.loss_type != "simpo" and not args.precompute_ref_logps:
-        ref_model = load_model(args.model_name_or_path, dtype, device).eval().requires_grad_(False)
+        ref_model = load_model(args, device).eval().requires_grad_(False)
     return model, ref_model, eos_ids
 
 
@@ -477,17 +473,16 @@ def reference_logps(ref_model, model, pairs: list, rows: list, cache, pad_id: in
 def pair_logps(model, pairs: list, pad_id: int, packed: bool, micro: int, autocast) -> torch.Tensor:
     """The model's summed log-probs of every pair in eval mode -> [N, 2] (chosen, rejected) on the CPU."""
     model.eval()
-    out = [torch.zeros(0, 2)]
-    for i in range(0, len(pairs), micro):
-        with autocast:
-            out.append(pair_logprobs(model, pairs[i : i + micro], pad_id, packed).view(2, -1).T.cpu())
+    with autocast:
+        out = [pair_logprobs(model, pairs[i : i + micro], pad_id, packed).view(2, -1).T.cpu()
+               for i in range(0, len(pairs), micro)]
     model.train()
-    return torch.cat(out)
+    return torch.cat([torch.zeros(0, 2), *out])
 
 
 def pref_metrics(logps, ref, pairs: list, args: Args, say: Callable) -> dict:
-    """Held-out pairs: the fraction whose implicit reward ranks chosen first (a tie is wrong; all tied, as at step 0,
-    is said), the policy's mean log-probs. logps, ref: [N, 2] (chosen, rejected); ref is None for simpo."""
+    """Held-out pairs: the fraction whose implicit reward ranks chosen first (a tie is wrong), the policy's mean
+    log-probs. logps, ref: [N, 2] (chosen, rejected); ref is None for simpo."""
     tokens = logps.new_tensor([[len(c), len(r)] for _, c, r in pairs])
     ref = (None, None) if ref is None else ref.T
     chosen, rejected = pair_logratios(*logps.T, *ref, *tokens.T, args.loss_type, args.ipo_logps)
@@ -497,18 +492,22 @@ def pref_metrics(logps, ref, pairs: list, args: Args, say: Callable) -> dict:
             "eval/logps_chosen": float(logps[:, 0].mean()), "eval/logps_rejected": float(logps[:, 1].mean())}
 
 
+# dpo_update's sums over the pairs, under TRL's names.
+STATS = ("train/loss", "train/nll", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
+         "logps/rejected")
+
+
 def dpo_update(policy, optimizer, pairs: list, args: Args, micro: int, world: int, pad_id: int, packed: bool,
                reference, autocast) -> tuple:
     """One optimiser step on this process's `pairs`: per micro-batch, the per-pair loss + RPO's NLL, summed /
-    --batch-size. reference(k, m): log pi_ref of pairs k..k+m-1 -> [2, m] (False: simpo). -> (sums [7] of
-    `dpo_metrics`' values over the pairs, grad norm)."""
-    sums = torch.zeros(7, dtype=torch.float64)
+    --batch-size. reference(k, m): log pi_ref of pairs k..k+m-1 -> [2, m] (False: simpo). -> (STATS' sums, grad norm)"""
+    sums = torch.zeros(len(STATS), dtype=torch.float64)
     ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
     for k in range(0, len(pairs), micro):
         some = pairs[k : k + micro]
         with (policy.no_sync() if ddp and k + micro < len(pairs) else torch.enable_grad()), autocast:
             logp = policy(some, pad_id, packed).view(2, -1)
-            lengths = logp.new_tensor([[len(c) for _, c, _ in some], [len(r) for _, _, r in some]])  # [2, m] tokens
+            lengths = logp.new_tensor([[len(c), len(r)] for _, c, r in some]).T  # [2, m] tokens
             ref = reference(k, len(some)) if reference else (None, None)
             chosen, rejected = pair_logratios(*logp, *ref, *lengths, args.loss_type, args.ipo_logps)
             nll = -logp[0] / lengths[0]  # RPO: the chosen completion's per-token NLL (arXiv:2404.19733)
@@ -516,21 +515,11 @@ def dpo_update(policy, optimizer, pairs: list, args: Args, micro: int, world: in
                                 args.simpo_gamma) + args.rpo_alpha * nll
             (per_pair.sum() / args.batch_size * world).backward()  # DDP averages gradients over processes
         rewards = args.beta * torch.stack([chosen, rejected])  # the implicit rewards
-        stats = torch.stack([per_pair, nll, *rewards, (rewards[0] > rewards[1]).float(), *logp])
-        sums += stats.detach().sum(1).cpu()
+        sums += torch.stack([per_pair, nll, *rewards, (rewards[0] > rewards[1]).float(), *logp]).detach().sum(1).cpu()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return sums, grad_norm
-
-
-def dpo_metrics(run, sums: torch.Tensor, batch_size: int) -> dict:
-    """`dpo_update`'s sums over every process's pairs -> their means, under TRL's names."""
-    names = ("train/loss", "train/nll", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
-             "logps/rejected")
-    metrics = dict(zip(names, (run.gather(sums[None].to(run.device)).sum(0) / batch_size).tolist()))
-    metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-    return metrics
 
 
 RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "save_every_minutes", "eval_limit",
@@ -604,15 +593,17 @@ def main(args: Args) -> dict:
             #     pass), the per-pair loss (Eq. 7 or a variant) + RPO's NLL, averaged over the step's pairs.
             ref = uses_ref and partial(reference_logps, ref_model, model, mine, rows, train_ref, pad_id, packed)
             sums, grad_norm = dpo_update(policy, optimizer, mine, args, micro, world, pad_id, packed, ref, autocast)
-            lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
+            lr = scheduler.get_last_lr()[0]  # the rate of this step's update
             scheduler.step()
             seconds += time.perf_counter() - t_step
             tokens += sum(2 * len(p) + len(c) + len(r) for p, c, r in mine)
 
             # 4c. Log the implicit rewards, their margin and accuracy, the log-probs, the timings.
             if step % args.log_every == 0 or step == args.total_steps:
-                final = {"step": step, **dpo_metrics(run, sums, args.batch_size), "train/grad_norm": float(grad_norm),
-                         "train/lr": lr, "perf/step_s": seconds / (step - last_log),
+                mean = run.gather(sums[None].to(device)).sum(0) / args.batch_size  # over every process's pairs
+                final = {"step": step, **dict(zip(STATS, mean.tolist())), "rewards/margins": float(mean[2] - mean[3]),
+                         "train/grad_norm": float(grad_norm), "train/lr": lr,
+                         "perf/step_s": seconds / (step - last_log),
                          "perf/tokens_per_s": tokens * world / max(seconds, 1e-9)}
                 run.log(final)
                 tokens, seconds, last_log = 0, 0.0, step
@@ -634,13 +625,12 @@ def check_args(args: Args) -> int:
                          f"use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}")
     what = f"each process's pairs (--batch-size / {world} processes)" if world > 1 else "--batch-size"
     micro = fit_micro_batch(args.micro_batch_size, args.batch_size // world, what, cap=64)
-    eps = args.label_smoothing
+    eps, loss = args.label_smoothing, args.loss_type
     allowed = {"sigmoid": "[0, 0.5] (cDPO)", "simpo": "[0, 0.5]", "robust": "[0, 0.5) (the label-flip rate)"}
-    inside = {"sigmoid": 0 <= eps <= 0.5, "simpo": 0 <= eps <= 0.5, "robust": 0 <= eps < 0.5}
-    if not inside.get(args.loss_type, eps == 0):
-        raise ValueError(f"--label-smoothing {eps} is outside its range for --loss-type {args.loss_type}: "
-                         f"{allowed.get(args.loss_type, '0 only (use --loss-type sigmoid, simpo or robust)')}")
-    if args.loss_type == "simpo" and args.precompute_ref_logps:
+    if eps != 0 and not (loss in allowed and 0 <= eps and (eps < 0.5 if loss == "robust" else eps <= 0.5)):
+        raise ValueError(f"--label-smoothing {eps} is outside its range for --loss-type {loss}: "
+                         f"{allowed.get(loss, '0 only (use --loss-type sigmoid, simpo or robust)')}")
+    if loss == "simpo" and args.precompute_ref_logps:
         raise ValueError("--loss-type simpo is reference-free: --precompute-ref-logps has nothing to compute; drop it")
     if args.lora_r and importlib.util.find_spec("peft") is None:
         raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")
