@@ -144,7 +144,7 @@ class Args:
     eval_every: int = 50
     """steps between evaluations (0: at start and end only)"""
     save_every: int = 0
-    """steps between checkpoints (0: at the end and on Ctrl-C only)"""
+    """steps between checkpoints (0: at the end and when stopped)"""
     save_every_minutes: float = 30.0
     """also a checkpoint every this many minutes (0: off), so a killed run loses no more"""
     resume: Optional[str] = None

@@ -225,7 +225,7 @@ class Args:
     eval_every: int = 50
     """steps between greedy evaluations (0: only at start and end)"""
     save_every: int = 0
-    """steps between checkpoints (0: only at the end and on Ctrl-C)"""
+    """steps between checkpoints (0: at the end and when stopped)"""
     save_every_minutes: float = 30.0
     """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
     resume: Optional[str] = None

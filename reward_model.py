@@ -129,7 +129,7 @@ class Args:
     eval_every: int = 100
     """steps between held-out evaluations (0: only at start and end)"""
     save_every: int = 0
-    """steps between checkpoints (0: only at the end and on Ctrl-C)"""
+    """steps between checkpoints (0: at the end and when stopped)"""
     save_every_minutes: float = 30.0
     """also a checkpoint every this many minutes (0: off), so a killed run loses no more"""
     resume: Optional[str] = None

@@ -90,7 +90,7 @@ class Args:
     eval_every: int = 100
     """steps between evaluations (0: at start and end only)"""
     save_every: int = 0
-    """steps between checkpoints (0: at the end and on Ctrl-C only)"""
+    """steps between checkpoints (0: at the end and when stopped)"""
     save_every_minutes: float = 30.0
     """also a checkpoint after this many minutes (0: off)"""
     resume: Optional[str] = None

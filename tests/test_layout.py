@@ -11,12 +11,12 @@ SCRIPTS = ["grpo", "ppo", "dpo", "hybrid", "reward_model", "sft", "capacity_ppo"
 # (file bytes, bytes above the `# ---- plumbing` line, lines of main()). A ratchet: lower a number when a change
 # makes the script smaller; never raise one. A feature that needs bytes takes them from elsewhere in the same file.
 BUDGETS = {
-    "grpo": (75_622, 38_780, 110),
-    "ppo": (83_402, 46_560, 120),
-    "dpo": (69_776, 36_735, 100),
-    "hybrid": (96_674, 59_832, 130),
-    "reward_model": (80_701, 47_827, 110),
-    "sft": (47_781, 16_272, 80),
+    "grpo": (75_620, 38_778, 110),
+    "ppo": (83_400, 46_558, 120),
+    "dpo": (69_774, 36_733, 100),
+    "hybrid": (96_672, 59_830, 130),
+    "reward_model": (80_699, 47_825, 110),
+    "sft": (47_779, 16_270, 80),
     "capacity_ppo": (36_082, 23_994, 60),
 }
 PER_SCRIPT = {"Args", "main", "check_args"}  # each script's own by nature
