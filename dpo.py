@@ -769,7 +769,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
     from huggingface_hub import repo_exists, snapshot_download
 
     get = (f"`hf download {name}`, then pass the folder it prints" if kind == "model" else "save its splits as "
-           "<split>.jsonl files in a folder and pass the folder")
+           "<split>.jsonl files and pass their folder")
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
         if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
@@ -907,11 +907,14 @@ class Run:
     run fails before its first step ends), W&B, signals; the cadence, progress and summary."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
-        hf_logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
+        hf_logging.disable_progress_bar()
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        if self.ddp:
+        if self.ddp:  # the group ends at exit, after main's DDP modules (a reducer outliving it can hang gloo)
+            import atexit
+
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            atexit.register(dist.destroy_process_group)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
@@ -919,7 +922,7 @@ class Run:
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
-        if not args.resume:  # rank 0's clock names the run: the ranks' clocks may straddle a second
+        if not args.resume:  # rank 0's clock names the run (the ranks' may straddle a second)
             stamp = torch.tensor([int(time.time())], device=self.device)
             if self.ddp:
                 dist.broadcast(stamp, 0)
@@ -933,7 +936,7 @@ class Run:
 
     def restore(self, model, optimizer, scheduler) -> dict:
         """--resume: weights (shards, LoRA or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
-        self.trained[0].train()  # from_pretrained leaves eval mode, where gradient checkpointing is off
+        self.trained[0].train()  # from_pretrained leaves eval mode (no gradient checkpointing)
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -1102,7 +1105,7 @@ class Run:
             print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: finishing step {self.step}, then saving a checkpoint" +
                   " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
 
-    def __exit__(self, kind, *exc):  # after a Ctrl-C, or if started with SIGINT ignored (`&`), Ctrl-C quits at once
+    def __exit__(self, kind, *exc):  # after a Ctrl-C, or started with SIGINT ignored (`&`), a Ctrl-C quits
         quit_at_once = self.signal or self.previous[0] == signal.SIG_IGN
         signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
         signal.signal(signal.SIGTERM, self.previous[1])
@@ -1113,7 +1116,7 @@ class Run:
     def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
         """Steps start+1 .. --total-steps; evaluations, checkpoints by --save-every(-minutes), and after a Ctrl-C or
         SIGTERM a checkpoint and the end."""
-        if self.args.track and self.rank == 0:  # (if it fails, e.g. no login, __exit__ removes a new run directory)
+        if self.args.track and self.rank == 0:  # (a failure, e.g. no login: __exit__ removes a new run dir)
             import wandb
 
             args = self.args
@@ -1132,8 +1135,8 @@ class Run:
                 self.evaluate(measure)
             minutes = time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
             flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
-            if self.ddp:  # every process stops (or saves) at the same step, even if the signal reached them apart
-                dist.all_reduce(flags, dist.ReduceOp.MAX)  # (a signal arriving during it counts at the next step)
+            if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
+                dist.all_reduce(flags, dist.ReduceOp.MAX)  # (a signal during it counts at the next step)
             self.stop, minutes = int(flags[0]), bool(flags[1])
             if self.stop or minutes or self.args.save_every and self.step % self.args.save_every == 0:
                 save()
@@ -1168,8 +1171,6 @@ class Run:
             self.wandb.finish()
         if self.stop:  # the last line printed
             self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
-        if self.ddp:
-            dist.destroy_process_group()
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
