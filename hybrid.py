@@ -947,7 +947,6 @@ def main(args: Args) -> dict:
                 run.log(final, None if kinds[step - 1] else sample_table(step, batch, args.num_sample_completions))
                 tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
 
-    del actor_critic  # DDP's reducer (find_unused_parameters) freed after the process group can hang gloo at exit
     # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) with its value head in final/.
     merged = (lambda: PolicyWithValueHead(copy.deepcopy(model).merge_and_unload(), value_head)) if args.lora_r else None
     return run.finish(final, measure, save, merged or raw_actor_critic, tokenizer)
