@@ -157,8 +157,9 @@ class Args:
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
-    generation_backend: Literal["shared", "static"] = "shared"
-    """shared: each group's prompt prefilled once; static: a static KV cache"""
+    generation_backend: Literal["auto", "shared", "static", "copy"] = "auto"
+    """auto: copy on CUDA (static with --dtype float32/bfloat16), shared on CPU; shared: each prompt prefilled once;
+    static: a static KV cache; copy: static, on a bfloat16 copy of the weights refreshed after each update"""
     fsdp: bool = False
     """under torchrun, shard weights, gradients and AdamW states (FSDP2) instead of DDP"""
     exp_name: str = "grpo"
@@ -387,7 +388,8 @@ def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, 
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
-        completion_ids, sampler_logp = sample(model, ids, mask, gen_config, backend)
+        completion_ids, sampler_logp = sample(sampler_copy(model) if backend == "copy" else model, ids, mask,
+                                              gen_config, backend)
     t1 = time.perf_counter()
     c_mask, truncated = completion_mask(completion_ids, eos_ids)
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -530,6 +532,7 @@ def load_policy(args, run, tokenizer):
         reference = Forward(logprobs_without_adapters, model) if args.beta > 0 else None
     elif args.beta > 0:
         reference = Forward(completion_logprobs, copy.deepcopy(model)).eval().requires_grad_(False)
+    check_bf16_updates(run, model, args.learning_rate)
     policy = Forward(completion_logprobs, model)
     if run.fsdp:
         policy = run.shard(policy, decoder_layers(model))
@@ -596,7 +599,7 @@ def main(args: Args) -> dict:
 
     def draw(n: int) -> dict:
         return rollout(model, tokenizer, data, [i for i in order.draw(n) for _ in range(G)], gen_config,
-                       args.generation_backend, eos, reward, autocast, timing)
+                       generation_backend(args, run.device), eos, reward, autocast, timing)
 
     # 4. Train.
     G, groups = args.num_generations, args.prompts_per_step // run.world
@@ -733,7 +736,7 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
     training = model.training
     model.eval()  # in training mode gradient checkpointing turns the KV cache off
     seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
-    if backend == "static":  # its cache takes the keys' dtype; under bf16 autocast RoPE makes keys float32 and
+    if backend != "shared":  # a static cache takes the keys' dtype; under bf16 autocast RoPE makes keys float32 and
         # values stay bf16, which it cannot hold: so it samples in the weights' own dtype, autocast off
         gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
         precision = torch.autocast(ids.device.type, enabled=False)
@@ -755,6 +758,47 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
     return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 
 
+@torch.no_grad()
+def sampler_copy(model):
+    """The model's bfloat16 copy for sampling, made on first use; each call overwrites its weights in place from the
+    model's (LoRA merged in), so the static cache's compiled CUDA graphs stay valid. Called under Run.whole: --fsdp's
+    weights are whole there, and each process holds a whole copy."""
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    if "bf16_copy" not in vars(base):  # an attribute, not a submodule: outside parameters() and state_dict()
+        with torch.device(base.device):
+            vars(base)["bf16_copy"] = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=torch.bfloat16)
+        vars(base)["bf16_copy"].generation_config = base.generation_config
+    weights = dict(base.named_parameters())
+    lora = {n: m for n, m in base.named_modules() if hasattr(m, "get_delta_weight")}  # peft's LoRA layers
+    for name, p in base.bf16_copy.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        if owner not in lora:
+            p.copy_(weights[name])
+        elif leaf == "weight":
+            m = lora[owner]
+            p.copy_(weights[f"{owner}.base_layer.weight"] + m.get_delta_weight(m.active_adapters[0]))
+        else:
+            p.copy_(weights[f"{owner}.base_layer.{leaf}"])
+    return base.bf16_copy
+
+
+def generation_backend(args, device) -> str:
+    """--generation-backend auto: on CUDA, copy with --dtype auto (float32 weights), else static; shared on CPU."""
+    if args.generation_backend != "auto":
+        return args.generation_backend
+    return "shared" if device.type != "cuda" else "copy" if args.dtype == "auto" else "static"
+
+
+def check_bf16_updates(run, model, lr: float) -> None:
+    """Warn when bfloat16 weights would drop most AdamW updates. Adam moves an entry by about lr a step; bfloat16
+    rounds w + lr back to w where lr is under half its spacing there (2^-8 of |w|): count those entries."""
+    w = [p.detach() for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
+    lost = sum(int(((p.float() + lr).to(p.dtype) == p).sum()) for p in w) / max(1, sum(p.numel() for p in w))
+    if lost > 0.5:
+        run.say(f"warning: with --dtype bfloat16 an update of --learning-rate {lr:g} leaves {lost:.0%} of the weights "
+                f"as they were; --dtype auto trains float32 weights (on CUDA sampling with a bfloat16 copy)")
+
+
 class Forward(torch.nn.Module):
     """fn(module, *args) as a module's forward, for DDP and FSDP2, which act around forward."""
 
@@ -769,7 +813,8 @@ class Forward(torch.nn.Module):
 def sampler_gap(run, gap_sum, tokens) -> float:
     """The mean |sampler - trainer| log-prob of the completion tokens, over all processes. On the first batch, a gap
     beyond float rounding (1e-3 in float32, 0.25 in bfloat16) stops the run: the update would be off-policy."""
-    exact = run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda")
+    exact = generation_backend(run.args, run.device) != "copy" and (
+        run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda"))
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
     gap = float(total[0] / total[1].clamp(min=1))
     tolerance = 1e-3 if exact else 0.25

@@ -242,8 +242,9 @@ class Args:
     """cuda, cpu, or auto (cuda when available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
-    generation_backend: Literal["shared", "static"] = "shared"
-    """shared: generate, each prompt prefilled once; static: a static KV cache"""
+    generation_backend: Literal["auto", "shared", "static", "copy"] = "auto"
+    """auto: copy on CUDA (static with --dtype float32/bfloat16), shared on CPU; shared: each prompt prefilled once;
+    static: a static KV cache; copy: static, on a bfloat16 copy of the weights refreshed after each update"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     fsdp: bool = False
@@ -553,7 +554,8 @@ def ppo_rollout(model, tokenizer, data: dict, rows: list, gen_config, backend, e
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
-        completion_ids, sampler_logp = sample(model, ids, mask, gen_config, backend)
+        completion_ids, sampler_logp = sample(sampler_copy(model) if backend == "copy" else model, ids, mask,
+                                              gen_config, backend)
     t1 = time.perf_counter()
     c_mask, truncated = completion_mask(completion_ids, torch.tensor(eos_ids, device=ids.device))
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -861,6 +863,7 @@ def main(args: Args) -> dict:
 
     # 2. Models: the policy with a value head on its backbone, one module for DDP / FSDP2; the frozen reference.
     model, value_head, ref_model, eos_ids = load_policy_and_value_head(args, device, tokenizer)
+    check_bf16_updates(run, model, args.learning_rate)
     raw_actor_critic = actor_critic = PolicyWithValueHead(model, value_head)
     if run.fsdp:  # each decoder layer sharded over the processes, the reference's too
         actor_critic = run.shard(actor_critic, decoder_layers(model))
@@ -927,7 +930,7 @@ def main(args: Args) -> dict:
             else:
                 with run.whole():  # --fsdp: whole weights while sampling (processes may run different step counts)
                     rows = [i for i in order.draw(args.prompts_per_step // world) for _ in range(G)]
-                    batch = ppo_rollout(model, tokenizer, data, rows, gen_config, args.generation_backend, eos_ids,
+                    batch = ppo_rollout(model, tokenizer, data, rows, gen_config, generation_backend(args, device), eos_ids,
                                         reward, autocast, timing)
                 t_train = time.perf_counter()
                 batch, metrics = ppo_step(actor_critic, optimizer, batch, ref_model, kl_ctl, run, args, micro, autocast)
@@ -1061,7 +1064,7 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
     training = model.training
     model.eval()  # in training mode gradient checkpointing turns the KV cache off
     seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
-    if backend == "static":  # its cache takes the keys' dtype; under bf16 autocast RoPE makes keys float32 and
+    if backend != "shared":  # a static cache takes the keys' dtype; under bf16 autocast RoPE makes keys float32 and
         # values stay bf16, which it cannot hold: so it samples in the weights' own dtype, autocast off
         gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
         precision = torch.autocast(ids.device.type, enabled=False)
@@ -1083,6 +1086,47 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
     return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 
 
+@torch.no_grad()
+def sampler_copy(model):
+    """The model's bfloat16 copy for sampling, made on first use; each call overwrites its weights in place from the
+    model's (LoRA merged in), so the static cache's compiled CUDA graphs stay valid. Called under Run.whole: --fsdp's
+    weights are whole there, and each process holds a whole copy."""
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    if "bf16_copy" not in vars(base):  # an attribute, not a submodule: outside parameters() and state_dict()
+        with torch.device(base.device):
+            vars(base)["bf16_copy"] = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=torch.bfloat16)
+        vars(base)["bf16_copy"].generation_config = base.generation_config
+    weights = dict(base.named_parameters())
+    lora = {n: m for n, m in base.named_modules() if hasattr(m, "get_delta_weight")}  # peft's LoRA layers
+    for name, p in base.bf16_copy.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        if owner not in lora:
+            p.copy_(weights[name])
+        elif leaf == "weight":
+            m = lora[owner]
+            p.copy_(weights[f"{owner}.base_layer.weight"] + m.get_delta_weight(m.active_adapters[0]))
+        else:
+            p.copy_(weights[f"{owner}.base_layer.{leaf}"])
+    return base.bf16_copy
+
+
+def generation_backend(args, device) -> str:
+    """--generation-backend auto: on CUDA, copy with --dtype auto (float32 weights), else static; shared on CPU."""
+    if args.generation_backend != "auto":
+        return args.generation_backend
+    return "shared" if device.type != "cuda" else "copy" if args.dtype == "auto" else "static"
+
+
+def check_bf16_updates(run, model, lr: float) -> None:
+    """Warn when bfloat16 weights would drop most AdamW updates. Adam moves an entry by about lr a step; bfloat16
+    rounds w + lr back to w where lr is under half its spacing there (2^-8 of |w|): count those entries."""
+    w = [p.detach() for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
+    lost = sum(int(((p.float() + lr).to(p.dtype) == p).sum()) for p in w) / max(1, sum(p.numel() for p in w))
+    if lost > 0.5:
+        run.say(f"warning: with --dtype bfloat16 an update of --learning-rate {lr:g} leaves {lost:.0%} of the weights "
+                f"as they were; --dtype auto trains float32 weights (on CUDA sampling with a bfloat16 copy)")
+
+
 class Forward(torch.nn.Module):
     """fn(module, *args) as a module's forward, for DDP and FSDP2, which act around forward."""
 
@@ -1097,7 +1141,8 @@ class Forward(torch.nn.Module):
 def sampler_gap(run, gap_sum, tokens) -> float:
     """The mean |sampler - trainer| log-prob of the completion tokens, over all processes. On the first batch, a gap
     beyond float rounding (1e-3 in float32, 0.25 in bfloat16) stops the run: the update would be off-policy."""
-    exact = run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda")
+    exact = generation_backend(run.args, run.device) != "copy" and (
+        run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda"))
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
     gap = float(total[0] / total[1].clamp(min=1))
     tolerance = 1e-3 if exact else 0.25

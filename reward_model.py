@@ -823,7 +823,7 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
     training = model.training
     model.eval()  # in training mode gradient checkpointing turns the KV cache off
     seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
-    if backend == "static":  # its cache takes the keys' dtype; under bf16 autocast RoPE makes keys float32 and
+    if backend != "shared":  # a static cache takes the keys' dtype; under bf16 autocast RoPE makes keys float32 and
         # values stay bf16, which it cannot hold: so it samples in the weights' own dtype, autocast off
         gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
         precision = torch.autocast(ids.device.type, enabled=False)

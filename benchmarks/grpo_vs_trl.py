@@ -69,6 +69,8 @@ class Args:
     """grpo.py's completions per forward/backward (sorted by length, so less padding than one batch of 64)"""
     dtype: Literal["auto", "bfloat16"] = "auto"
     """weights of both: auto = float32 (with bf16 autocast on a GPU), or bfloat16 for both"""
+    trl_dtype: Literal["auto", "bfloat16"] | None = None
+    """TRL's weights when they differ from --dtype (e.g. bfloat16, its fastest, against grpo.py's default)"""
     trl_cache_implementation: str | None = None
     """TRL's GRPOConfig.cache_implementation for its `generate` (e.g. static; default: its dynamic cache)"""
     model: str = str(ROOT / "models/tiny-arith")
@@ -115,7 +117,7 @@ def run_trl(args: Args, out_dir: str, gradient_checkpointing: bool) -> tuple[lis
         cache_implementation=args.trl_cache_implementation)
     timer = StepTimer()
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(args.model, dtype=WEIGHTS[args.dtype]), reward_funcs=[arith_reward],
+        model=AutoModelForCausalLM.from_pretrained(args.model, dtype=WEIGHTS[args.trl_dtype or args.dtype]), reward_funcs=[arith_reward],
         args=config, train_dataset=load_dataset("json", data_files=str(Path(args.dataset) / "train.jsonl"), split="train"),
         processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[timer])
     trainer.train()
@@ -171,7 +173,8 @@ def main(args: Args) -> list[dict]:
                                  **{k: statistics.median(r[f"perf/{k}_s"] for r in rows)
                                     for k in ("generate", "score", "train")},
                                  "decode tok/s": statistics.median(r["train/completion_length"] * COMPLETIONS_PER_STEP /
-                                                                   r["perf/generate_s"] for r in rows)}
+                                                                   r["perf/generate_s"] for r in rows),
+                                 "sampler gap": statistics.median(r["train/sampler_gap"] for r in rows)}
             results[name]["peak GB"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
             results[name]["acc"] = accuracy(model)
     import trl
@@ -181,17 +184,18 @@ def main(args: Args) -> list[dict]:
     print(f"\nGRPO on {where} ({Path(args.model).name}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"trl {trl.__version__}): {args.steps} steps, G={G}, {COMPLETIONS_PER_STEP} completions/step, "
           f"{MAX_NEW_TOKENS} new tokens, beta={BETA}, loss {args.loss_type}, lr {args.learning_rate} constant, "
-          f"weights {args.dtype}")
+          f"weights {args.dtype}" + (f" (TRL {args.trl_dtype})" if args.trl_dtype else ""))
     print(f"greedy accuracy before training: {start:.3f} ({len(prompts)} test prompts)\n")
     print("| trainer | median s/step | generate s | score s | logp+backward+step s | decode tok/s | peak GB | "
-          "speed-up vs TRL default | speed-up vs TRL without checkpointing | final accuracy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "sampler gap | speed-up vs TRL default | speed-up vs TRL without checkpointing | final accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     base, plain = results[TRL_DEFAULT]["s/step"], results[TRL_PLAIN]["s/step"]
     rows = []
     for name, r in results.items():
         phases = [f"{r[k]:.3f}" if k in r else "-" for k in ("generate", "score", "train")]
         phases += [f"{r['decode tok/s']:.0f}" if "decode tok/s" in r else "-",
-                   "-" if r["peak GB"] is None else f"{r['peak GB']:.1f}"]
+                   "-" if r["peak GB"] is None else f"{r['peak GB']:.1f}",
+                   f"{r['sampler gap']:.4f}" if "sampler gap" in r else "-"]
         print(f"| {name} | {r['s/step']:.3f} | {' | '.join(phases)} | {base / r['s/step']:.2f}x | "
               f"{plain / r['s/step']:.2f}x | {r['acc']:.3f} |")
         rows.append({"trainer": name, **r, "speedup": base / r["s/step"], "speedup_plain": plain / r["s/step"]})
