@@ -12,12 +12,12 @@ Variants (equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards
         --max-completion-length 512 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
     torchrun --nproc-per-node 2 grpo.py  # data parallel (gloo on CPU, nccl on GPU)
 
-Deviations (why, and the measurements: docs/grpo.md):
+Deviations (why and measurements: docs/grpo.md):
 - Defaults fit the embedded 0.9M-parameter model: `--scale-rewards none`, mu = 2, beta = 0.
-- With beta = 0 (not under --fsdp), zero-advantage completions skip the forward and backward pass (gradient 0).
+- At beta = 0 (not under --fsdp) zero-advantage completions (gradient 0) skip the forward and backward pass.
 - Log-probs are of softmax(logits / T), the distribution sampled from; dropout is off.
 - std is the unbiased one + 1e-4; over-long prompts keep their last tokens (both as TRL).
-- Under torchrun each process draws its own prompts; rewards are gathered for batch-level statistics.
+- Under torchrun each process draws its own prompts; rewards are gathered for batch statistics.
 """
 
 import contextlib
@@ -58,13 +58,13 @@ class Args:
     prompts_per_step: int = 64
     """prompts per step over all processes"""
     max_completion_length: int = 40
-    """most new tokens per completion (and in evaluation)"""
+    """most new tokens per completion (also in eval)"""
     temperature: float = 0.7
     """sampling temperature (log-probs are tempered too)"""
     reward: str = DEFAULT_SPEC
     """reward spec (rewards.make_reward): `name:weight,...` or a JSON file"""
     scale_rewards: Literal["group", "batch", "none"] = "none"
-    """divide advantages by the group's std (GRPO), the batch's, or nothing (Dr.GRPO)"""
+    """divide advantages by the group's std (GRPO), the batch's, or 1 (Dr.GRPO)"""
     baseline: Literal["mean", "rloo"] = "mean"
     """subtract the group's mean reward, or the mean of the other G - 1 (RLOO)"""
     dynamic_sampling: bool = False
@@ -74,7 +74,7 @@ class Args:
     mask_truncated_completions: bool = False
     """DAPO overlong filtering: completions without EOS get no loss"""
     beta: float = 0.0
-    """KL coefficient to a frozen reference model (0: none is kept)"""
+    """KL coefficient to a frozen reference (0: none kept)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html (k3: Eq. 4)"""
     num_iterations: int = 2
@@ -92,7 +92,7 @@ class Args:
     top_entropy_quantile: float = 1.0
     """rho: policy gradient only on the top-rho fraction of tokens by entropy"""
     importance_sampling_cap: Optional[float] = None
-    """truncated importance sampling (TIS): loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
+    """truncated importance sampling: loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
@@ -146,7 +146,7 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: at the end and when stopped)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint every this many minutes (0: off), so a killed run loses no more"""
+    """also a checkpoint every this many minutes (0: off)"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     num_sample_completions: int = 8
@@ -161,7 +161,7 @@ class Args:
     """auto: copy on CUDA (static with --dtype float32/bfloat16), shared on CPU; shared: each prompt prefilled once;
     static: a static KV cache; copy: static, on a bfloat16 copy of the weights refreshed after each update"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states (FSDP2) instead of DDP"""
+    """under torchrun, shard weights, gradients and AdamW states (FSDP2), not DDP"""
     exp_name: str = "grpo"
     """experiment name, part of the run directory's"""
     seed: int = 1
@@ -185,8 +185,8 @@ class Args:
 
 def group_advantages(rewards, scale: str, baseline: str = "mean"):
     """rewards [P, G] -> advantages [P, G] float32: r_i - mean(group) (Sec. 4.1.2), x G / (G - 1) for the mean of
-    the other G - 1 (RLOO, arXiv:2402.14740), over std(group) + 1e-4, std(batch) + 1e-4 or 1 (none, Dr.GRPO); exactly
-    0 in a group of equal rewards."""
+    the other G - 1 (RLOO, arXiv:2402.14740), over std(group), std(batch) (+ 1e-4) or 1 (none, Dr.GRPO); exactly 0 in
+    a group of equal rewards."""
     rewards = rewards.float()
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if baseline == "rloo":
@@ -237,14 +237,15 @@ def policy_loss(logp, old_logp, advantages, mask, ref_logp, args):
     and the loss, plus beta KL (Eq. 4; delta: the two-sided clip of INTELLECT-2, arXiv:2505.07291):
         clip   -min(min(x, delta) A, clip(x, 1 - eps_low, 1 + eps_high) A)   Eq. 3; GSPO Eq. 5
         cispo  -sg[min(x, 1 + eps_high)] A log pi(o_it)                     CISPO Eq. 4-5
-    On CUDA the token-level clip loss without delta runs as kernels.clipped_policy_loss (same numbers)."""
-    if logp.is_cuda and args.loss_type != "cispo" and args.importance_sampling_level == "token" and args.delta is None:
+    On CUDA the token-level clip loss without delta is kernels.clipped_policy_loss (same numbers)."""
+    level = args.importance_sampling_level
+    if logp.is_cuda and args.loss_type != "cispo" and level == "token" and args.delta is None:
         return clipped_policy_loss(logp, old_logp, advantages, ref_logp=ref_logp, clip_low=args.clip_low,
                                    clip_high=args.clip_high, beta=args.beta, kl_estimator=args.kl_estimator)
     log_ratio = logp - old_logp
-    if args.importance_sampling_level != "token":
+    if level != "token":
         seq = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
-        log_ratio = seq if args.importance_sampling_level == "sequence" else logp - logp.detach() + seq.detach()
+        log_ratio = seq if level == "sequence" else logp - logp.detach() + seq.detach()
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0)).expand_as(logp)
     kl = torch.zeros_like(logp) if ref_logp is None else kl_estimate(logp, ref_logp, args.kl_estimator)
     if args.loss_type == "cispo":
@@ -326,23 +327,23 @@ def concat_rollouts(batches: list[dict], pad_id: int, rows: list) -> dict:
         elif v.dim() == 1:
             out[k] = torch.stack(items)
         else:
+            pad = pad_id if k.endswith("ids") else 0
             side = "left" if k.startswith("prompt") else "right"
-            out[k] = torch.nn.utils.rnn.pad_sequence(items, batch_first=True, padding_side=side,
-                                                     padding_value=pad_id if k.endswith("ids") else 0)
+            out[k] = torch.nn.utils.rnn.pad_sequence(items, batch_first=True, padding_value=pad, padding_side=side)
     return out
 
 
 def dynamic_sampling(draw, num_groups: int, group_size: int, max_rounds: int, pad_id: int) -> tuple[dict, dict]:
-    """DAPO dynamic sampling (Sec. 3.2): draw(n) samples n groups; draws go on (at most max_rounds more) until
-    num_groups have rewards that differ, short of which zero-advantage groups fill the batch."""
+    """DAPO dynamic sampling (Sec. 3.2): draw(n) samples n groups, at most max_rounds more times, until num_groups
+    have unequal rewards; zero-advantage groups fill any shortfall."""
     batches, good = [], torch.zeros(0, dtype=torch.bool)
     while good.sum() < num_groups and len(batches) <= max_rounds:
         batches.append(draw(num_groups - int(good.sum())))
         good = torch.cat([good, informative_groups(batches[-1]["rewards"]["total"].view(-1, group_size))])
     chosen = torch.argsort((~good).int(), stable=True)[:num_groups]  # informative groups first, in the order drawn
     rows = (chosen[:, None] * group_size + torch.arange(group_size)).flatten().tolist()
-    return concat_rollouts(batches, pad_id, rows), {"train/sampling_draws": len(batches),
-                                                    "train/informative_groups": int(good[chosen].sum())}
+    stats = {"train/sampling_draws": len(batches), "train/informative_groups": int(good[chosen].sum())}
+    return concat_rollouts(batches, pad_id, rows), stats
 
 
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
@@ -388,8 +389,8 @@ def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, 
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
-        completion_ids, sampler_logp = sample(sampler_copy(model) if backend == "copy" else model, ids, mask,
-                                              gen_config, backend)
+        sampler = sampler_copy(model) if backend == "copy" else model
+        completion_ids, sampler_logp = sample(sampler, ids, mask, gen_config, backend)
     t1 = time.perf_counter()
     c_mask, truncated = completion_mask(completion_ids, eos_ids)
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -423,9 +424,9 @@ def old_policy_terms(mb: dict, old_logp, args, reference, sums: dict):
 
 
 def grpo_update(run, policy, optimizer, batch: dict, advantages, mask, args, reference, autocast, size: int) -> dict:
-    """mu AdamW updates on this process's batch in length-sorted micro-batches of `size` rows, each trimmed to its
-    widest prompt and completion -> the sums grpo_metrics reads. At beta = 0 rows of advantage 0 (gradient 0) are left
-    out (one micro-batch stays if all are, so that DDP syncs); not under --fsdp, where every pass is collective."""
+    """mu AdamW updates on this process's batch in length-sorted micro-batches of `size` rows cut to their widest
+    prompt and completion -> sums for grpo_metrics. At beta = 0 rows of advantage 0 are skipped (if all are, one
+    micro-batch stays for DDP's sync); not under --fsdp, where every pass is collective."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
     width = batch["prompt_ids"].shape[1]
@@ -433,21 +434,21 @@ def grpo_update(run, policy, optimizer, batch: dict, advantages, mask, args, ref
     if args.beta == 0 and not run.fsdp:
         kept = kept[advantages != 0] if advantages.any() else kept[:size]
     chunks = []
-    for rows, first, end in length_sorted_micro_batches(batch["prompt_mask"][kept], batch["completion_mask"][kept],
-                                                        size):
+    micro_batches = length_sorted_micro_batches(batch["prompt_mask"][kept], batch["completion_mask"][kept], size)
+    for rows, first, end in micro_batches:
         r = kept[rows]
         chunks.append({"inputs": (ids[r, first : width + end], attention[r, first : width + end], width - first),
                        "mask": mask[r, :end], "advantages": advantages[r, None],
                        "sampler_logp": batch["sampler_logp"][r, :end]})
     tokens = int(run.gather(mask.sum()[None]).sum()), int(mask.sum())  # the step's loss tokens, this process's
     sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "tis_capped"), 0.0)
-    ddp = isinstance(policy, torch.nn.parallel.DistributedDataParallel)
+    ddp = run.ddp and not run.fsdp
     if args.top_entropy_quantile < 1:  # one more forward pass: the batch's entropies before any update
         with torch.no_grad(), autocast:
             entropy = [(policy.module if ddp else policy)(*mb["inputs"], args.temperature, True)[1] for mb in chunks]
-        for mb, keep in zip(chunks, high_entropy_tokens(entropy, [mb["mask"] for mb in chunks],
-                                                         args.top_entropy_quantile)):
-            mb["keep"] = keep
+        keep = high_entropy_tokens(entropy, [mb["mask"] for mb in chunks], args.top_entropy_quantile)
+        for mb, mb_keep in zip(chunks, keep):
+            mb["keep"] = mb_keep
     for iteration in range(args.num_iterations):
         for k, mb in enumerate(chunks):
             sync = policy.no_sync() if ddp and k < len(chunks) - 1 else contextlib.nullcontext()  # DDP: on the last
@@ -455,8 +456,8 @@ def grpo_update(run, policy, optimizer, batch: dict, advantages, mask, args, ref
                 logp, entropy = policy(*mb["inputs"], args.temperature, True)
                 if iteration == 0:
                     old_policy_terms(mb, logp.detach(), args, reference, sums)
-                per_token, kl, clipped = policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
-                                                     mb.get("ref_logp"), args)
+                per_token, kl, clipped = policy_loss(
+                    logp, mb["old_logp"], mb["advantages"], mb["mask"], mb.get("ref_logp"), args)
                 if "keep" in mb:  # the policy gradient of high-entropy tokens only; the KL penalty on every token
                     per_token = torch.where(mb["keep"], per_token, args.beta * kl)
                 if "tis" in mb:  # the sampler drew the tokens: weigh pi_old's whole per-token loss back to them
@@ -492,8 +493,8 @@ def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, step
 
 
 def load_prompts(args, tokenizer, reward):
-    """The training prompts, tokenised, with the reward's keyword arguments, and the eval split -> (data, eval prompts,
-    eval answers)."""
+    """The training prompts, tokenised, with the reward's columns, and the eval split -> (data, eval prompts, eval
+    answers)."""
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
     train = load_split(args, "dataset_split", [args.prompt_column, *columns.values()],
                        "--prompt-column/--answer-column, or a --reward that does not need it")
@@ -611,7 +612,7 @@ def main(args: Args) -> dict:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
             # 4a. Sample G completions of each prompt and score them (Algorithm 1); DAPO: refill all-equal groups.
-            with run.whole():  # --fsdp: whole weights while sampling, so processes may take different numbers of steps
+            with run.whole():  # --fsdp: whole weights, so processes may sample for different numbers of steps
                 if args.dynamic_sampling:
                     batch, draws = dynamic_sampling(draw, groups, G, args.max_resample_rounds, tokenizer.pad_token_id)
                 else:
@@ -638,7 +639,7 @@ def main(args: Args) -> dict:
                          "train/sampler_gap": gap, "train/lr": lr, **draws}
                 n = args.num_sample_completions
                 table = [[step, p, c, float(r), float(a)] for p, c, r, a in zip(
-                    batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n], advantages[:n])]
+                    batch["prompts"][:n], batch["completions"], batch["rewards"]["total"], advantages)]
                 run.log(final, ("train/samples", ["step", "prompt", "completion", "reward", "advantage"], table))
                 last_log, timing = step, dict.fromkeys(timing, 0.0)
 
@@ -657,7 +658,7 @@ def check_args(args: Args) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     cap, delta = args.importance_sampling_cap, args.delta
     for bad, message in (
-            (args.num_generations < 2, "--num-generations must be >= 2: GRPO compares completions of the same prompt"),
+            (args.num_generations < 2, "--num-generations must be >= 2: GRPO compares a prompt's completions"),
             (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
             (args.clip_low > 1, f"--clip-low must be <= 1, got {args.clip_low}"),
             (cap is not None and cap < 1, f"--importance-sampling-cap {cap} must be >= 1, e.g. 2, or None"),
@@ -760,43 +761,39 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
 
 @torch.no_grad()
 def sampler_copy(model):
-    """The model's bfloat16 copy for sampling, made on first use; each call overwrites its weights in place from the
-    model's (LoRA merged in), so the static cache's compiled CUDA graphs stay valid. Called under Run.whole: --fsdp's
-    weights are whole there, and each process holds a whole copy."""
+    """The model's bfloat16 copy (made once) with the model's weights written into it in place, LoRA merged: its
+    compiled CUDA graphs stay valid. Called under Run.whole, where --fsdp's weights are whole."""
     base = model.get_base_model() if hasattr(model, "peft_config") else model
-    if "bf16_copy" not in vars(base):  # an attribute, not a submodule: outside parameters() and state_dict()
+    if "bf16_copy" not in vars(base):  # not a submodule: outside parameters() and state_dict()
         with torch.device(base.device):
             vars(base)["bf16_copy"] = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=torch.bfloat16)
-        vars(base)["bf16_copy"].generation_config = base.generation_config
-    weights = dict(base.named_parameters())
-    lora = {n: m for n, m in base.named_modules() if hasattr(m, "get_delta_weight")}  # peft's LoRA layers
+    weights, lora = dict(base.named_parameters()), {n: m for n, m in base.named_modules() if hasattr(m, "lora_A")}
     for name, p in base.bf16_copy.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        if owner not in lora:
+        m = lora.get(owner)
+        if m is None:
             p.copy_(weights[name])
-        elif leaf == "weight":
-            m = lora[owner]
-            p.copy_(weights[f"{owner}.base_layer.weight"] + m.get_delta_weight(m.active_adapters[0]))
         else:
-            p.copy_(weights[f"{owner}.base_layer.{leaf}"])
+            delta = m.get_delta_weight(m.active_adapters[0]) if leaf == "weight" else 0
+            p.copy_(weights[f"{owner}.base_layer.{leaf}"] + delta)
     return base.bf16_copy
 
 
 def generation_backend(args, device) -> str:
-    """--generation-backend auto: on CUDA, copy with --dtype auto (float32 weights), else static; shared on CPU."""
+    """--generation-backend auto: on CUDA copy (static with --dtype float32/bfloat16), on CPU shared."""
     if args.generation_backend != "auto":
         return args.generation_backend
     return "shared" if device.type != "cuda" else "copy" if args.dtype == "auto" else "static"
 
 
 def check_bf16_updates(run, model, lr: float) -> None:
-    """Warn when bfloat16 weights would drop most AdamW updates. Adam moves an entry by about lr a step; bfloat16
-    rounds w + lr back to w where lr is under half its spacing there (2^-8 of |w|): count those entries."""
+    """Warn if most bfloat16 weights w would not move by an AdamW step (about lr): where lr < 2^-8 |w|, w + lr
+    rounds back to w."""
     w = [p.detach() for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
     lost = sum(int(((p.float() + lr).to(p.dtype) == p).sum()) for p in w) / max(1, sum(p.numel() for p in w))
     if lost > 0.5:
-        run.say(f"warning: with --dtype bfloat16 an update of --learning-rate {lr:g} leaves {lost:.0%} of the weights "
-                f"as they were; --dtype auto trains float32 weights (on CUDA sampling with a bfloat16 copy)")
+        run.say(f"warning: --dtype bfloat16 at --learning-rate {lr:g} leaves {lost:.0%} of the weights unchanged by an "
+                f"update: --dtype auto trains float32 weights")
 
 
 class Forward(torch.nn.Module):

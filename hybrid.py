@@ -1,6 +1,6 @@
 """Hybrid SFT + PPO: one model trained by alternating supervised and PPO steps on a curriculum.
 
-A causal LM with a value head on its backbone (last hidden state -> one scalar per token) takes two kinds of step:
+A causal LM with a value head (last hidden state -> one scalar per token) takes two kinds of step:
     SFT step:  completion-only cross-entropy on demonstrations (InstructGPT, arXiv:2203.02155, Sec. 3.5), as sft.py
     PPO step:  ppo.py's (arXiv:1909.08593; N+, arXiv:2403.17031) with the value head in place of a value model:
                sample and score, r_t = -beta KL_t + [t = last] s (Eq. 2 of arXiv:2203.02155), GAE (Eq. 16 of
@@ -11,15 +11,14 @@ A causal LM with a value head on its backbone (last hidden state -> one scalar p
 Run:
     python hybrid.py  # embedded: models/tiny-arith on data/arith
     python hybrid.py --sft-fraction-start 1 --sft-fraction-end 1  # SFT only (0 and 0: PPO only)
-    python hybrid.py --reward my_spec.json --optimizer adafactor --lr-scheduler reduce_on_plateau
     python hybrid.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
         --max-completion-length 256 --max-length 512 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
     torchrun --nproc-per-node 2 hybrid.py  # data parallel (gloo on CPU, nccl on GPU)
 
 Deviations (why, and the measurements: docs/hybrid.md):
 - The value head is a zero linear layer saved as value_head.safetensors beside the model (ppo.py: a value model).
-- The default reward's `rouge_l` needs a demonstration (`target`): taken from the SFT split's same prompt.
-- One optimiser and one schedule, stepped once per step of either kind (reduce_on_plateau: on eval/accuracy).
+- The default reward's `rouge_l` needs a demonstration (`target`): the SFT split's, of the same prompt.
+- One optimiser and one schedule, stepped once per step of either kind.
 - On the embedded task SFT alone beats this curriculum at equal time: the schedule is the experiment, not a claim.
 """
 
@@ -45,26 +44,23 @@ import tyro
 from datasets import Dataset, load_dataset
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import Adafactor, AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
 from transformers.utils import logging as hf_logging
 
 from kernels import clipped_policy_loss, linear_token_logprobs
 from kernels.torch_ref import kl_estimate
 from rewards import make_reward
 
-DEFAULT_REWARD = "correctness:1.0,format:0.2,rouge_l:0.2"
-"""correctness (+1 / -0.5) and format from the answer, and ROUGE-L against the demonstration (column `target`)"""
-
 TORCH_OPTIMIZERS = "adamw adam sgd rmsprop adagrad adafactor".split()
-CLASS_WORDS = {"adamw": "AdamW", "rmsprop": "RMSprop", "sgd": "SGD", "ademamix": "AdEMAMix"}  # others: capitalize()
-# --optimizer name -> class in bitsandbytes.optim (8-bit states, paged memory); needs `pip install bitsandbytes`
+CLASS_WORDS = {"adamw": "AdamW", "rmsprop": "RMSprop", "sgd": "SGD", "ademamix": "AdEMAMix"}
+# --optimizer name -> bitsandbytes.optim class (8-bit states, paged memory)
 BNB_OPTIMIZERS = {n: "".join(CLASS_WORDS.get(w, w.capitalize()) for w in n.split("_"))
                   for n in ("adamw_8bit adamw_32bit adam_8bit adam_32bit paged_adamw paged_adamw_8bit paged_adamw_32bit"
                             " paged_adam_8bit paged_adam_32bit lion_8bit lion_32bit paged_lion_8bit paged_lion_32bit"
                             " rmsprop_8bit sgd_8bit adagrad_8bit adagrad_32bit ademamix ademamix_8bit paged_ademamix"
                             " paged_ademamix_8bit").split()}
 HF_SCHEDULERS = tuple("linear cosine cosine_with_restarts polynomial poly constant constant_with_warmup inverse_sqrt"
-                      " none".split())  # poly: polynomial; none: constant, no warmup
+                      " none".split())
 TORCH_SCHEDULERS = tuple("step multistep exponential onecycle cyclic reduce_on_plateau cosineannealing "
                          "cosineannealing_warm_restarts".split())
 
@@ -87,21 +83,21 @@ class Args:
     prompts_per_step: int = 64
     """prompts per PPO step, over all processes"""
     max_completion_length: int = 40
-    """most new tokens per completion (also in the greedy evaluation)"""
+    """most new tokens per completion (also in evaluation)"""
     temperature: float = 0.7
-    """sampling temperature; log-probs are those of the tempered distribution"""
-    reward: str = DEFAULT_REWARD
-    """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
+    """sampling temperature (log-probs are of the tempered distribution)"""
+    reward: str = "correctness:1.0,format:0.2,rouge_l:0.2"
+    """reward spec (rewards.make_reward): `name:weight,...` or a JSON file"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a completion without EOS"""
     beta: float = 0.05
-    """KL coefficient of the per-token reward -beta KL_t (the controllers' start value)"""
+    """KL coefficient of the per-token reward -beta KL_t (the controllers' start)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """per-token estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html"""
     kl_controller: Literal["fixed", "adaptive", "step"] = "fixed"
-    """fixed beta; adaptive (Ziegler et al. Sec. 2.2) or step (x or / 1.5), both need --kl-target"""
+    """fixed; adaptive (Ziegler et al. Sec. 2.2) or step (x or / 1.5), both need --kl-target"""
     kl_target: float = 0.0
-    """target KL per completion (summed over its tokens) of the adaptive and step controllers"""
+    """controllers' target KL per completion (summed over its tokens)"""
     kl_horizon: int = 10000
     """adaptive controller's horizon, in completions"""
     gamma: float = 1.0
@@ -109,59 +105,59 @@ class Args:
     lam: float = 0.95
     """GAE lambda"""
     whiten_advantages: bool = True
-    """normalise advantages to mean 0, std 1 over the batch's real tokens"""
+    """whiten advantages: mean 0, std 1 over the batch's tokens"""
     whiten_rewards: bool = False
-    """scale the per-token rewards to std 1 (mean kept) before GAE"""
+    """scale per-token rewards to std 1 (mean kept) before GAE"""
     num_ppo_epochs: int = 1
     """passes over each batch of rollouts"""
     num_mini_batches: int = 1
     """mini-batches per pass, one update each"""
     clip_low: float = 0.2
-    """the ratio is clipped below at 1 - clip_low"""
+    """ratio clipped below at 1 - clip_low"""
     clip_high: float = 0.2
-    """the ratio is clipped above at 1 + clip_high"""
+    """ratio clipped above at 1 + clip_high"""
     cliprange_value: float = 0.2
-    """the value's clipping range around the rollout's value"""
+    """values clipped to V_old +- this"""
     vf_coef: float = 0.1
     """weight of the value loss"""
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
     target_kl: Optional[float] = None
-    """stop a step's epochs once an epoch's approximate KL(pi_old || pi) exceeds this (None: never)"""
+    """end a step's epochs once one's mean approx. KL(pi_old || pi) exceeds this (None: never)"""
     importance_sampling_cap: Optional[float] = None
-    """TIS (truncated importance sampling): loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
+    """truncated importance sampling: loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
+    """folder or hub id of the causal LM and its tokenizer"""
     dataset: str = "data/arith"
-    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    """folder of `<split>.jsonl` files, a JSON-lines file, or a hub dataset id"""
     dataset_split: str = "train"
     """split with the RL prompts"""
     sft_split: str = "sft"
     """split with the demonstrations"""
     eval_split: Optional[str] = "test"
-    """split with prompts and answers for greedy-decoding accuracy (None: no eval)"""
+    """split with prompts and answers for greedy accuracy (None: no eval)"""
     prompt_column: str = "prompt"
-    """column holding the prompt in both splits (text, or chat messages with --use-chat-template)"""
+    """prompt column of each split (text, or chat messages with --use-chat-template)"""
     completion_column: str = "completion"
-    """column of the SFT split holding the demonstration; rewards receive it as `target`"""
+    """demonstration column of the SFT split; rewards receive it as `target`"""
     answer_column: str = "answer"
-    """column holding the reference answer; rewards receive it as `answer`"""
+    """reference answer column; rewards receive it as `answer`"""
     sft_limit: int = 0
-    """SFT steps see only the first this many demonstrations (0: all)"""
+    """use only the first this many demonstrations (0: all)"""
     use_chat_template: bool = False
     """wrap each prompt in the tokenizer's chat template"""
     max_prompt_length: int = 256
-    """prompts longer than this many tokens keep their last tokens"""
+    """longer prompts keep their last this many tokens"""
     max_length: int = 64
-    """longest prompt + demonstration in SFT steps, in tokens; longer ones are truncated"""
+    """SFT steps truncate prompt + demonstration to this many tokens"""
     eval_limit: int = 500
-    """evaluate on at most this many eval examples"""
+    """evaluate on at most this many examples"""
     lora_r: int = 0
-    """LoRA rank on every linear layer (0: train all weights; the value head always trains in full)"""
+    """LoRA rank on each linear layer (0: train all weights; the value head is trained in full)"""
     lora_alpha: float = 32.0
-    """LoRA scaling numerator (the update is scaled by alpha / r)"""
+    """LoRA scale: the update is x alpha / r"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
 
@@ -193,11 +189,11 @@ class Args:
     adagrad_initial_accumulator: float = 0.0
     """Adagrad's initial accumulator value"""
     total_steps: int = 400
-    """training steps of either kind (fixed on --resume: they shape the curriculum)"""
+    """steps of either kind (fixed on --resume: they shape the curriculum)"""
     micro_batch_size: int = 0
     """rows per forward/backward pass (0: largest divisor up to 128)"""
     lr_scheduler: Literal[HF_SCHEDULERS + TORCH_SCHEDULERS] = "cosine"
-    """transformers.get_scheduler's schedules or torch's (reduce_on_plateau: on eval/accuracy)"""
+    """transformers' schedules or torch's (reduce_on_plateau steps on eval/accuracy)"""
     warmup_steps: int = 20
     """linear warmup steps of the transformers schedules"""
     warmup_ratio: float = 0.0
@@ -217,7 +213,7 @@ class Args:
     weight_decay: float = 0.0
     """weight decay (decoupled for AdamW)"""
     max_grad_norm: float = 1.0
-    """gradient clipping by global norm, for the language model and the value head each"""
+    """gradient clipping by global norm, the language model and the value head apart"""
 
     # --- logging / checkpointing
     log_every: int = 1
@@ -227,7 +223,7 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: at the end and when stopped)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
+    """also a checkpoint every this many minutes (0: off): a killed run loses no more"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     num_sample_completions: int = 8
@@ -235,7 +231,7 @@ class Args:
     output_dir: str = "runs"
     """where run directories are created"""
     run_dir: Optional[str] = None
-    """the run directory, if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>; must not exist"""
+    """the run directory (must not exist), if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>"""
 
     # --- engineering / experiment
     device: str = "auto"
@@ -244,15 +240,15 @@ class Args:
     """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
     generation_backend: Literal["auto", "shared", "static", "copy"] = "auto"
     """auto: copy on CUDA (static with --dtype float32/bfloat16), shared on CPU; shared: each prompt prefilled once;
-    static: a static KV cache; copy: static, on a bfloat16 copy of the weights refreshed after each update"""
+    static: a static KV cache; copy: static, on a bfloat16 weight copy refreshed after each update"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """recompute activations in backward to save memory"""
     fsdp: bool = False
     """under torchrun, shard weights, gradients and optimiser states (FSDP2) instead of DDP"""
     exp_name: str = "hybrid"
-    """name of this experiment, part of the run directory name"""
+    """experiment name, part of the run directory name"""
     seed: int = 1
-    """seed of python, numpy and torch, of the data orders and of the curriculum"""
+    """seed of python, numpy, torch, the data orders and the curriculum"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
@@ -263,11 +259,11 @@ class Args:
     """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
 
 
-# ---- the algorithm: the curriculum
+# ---- the curriculum
 
 
 def sft_fraction(step: int, total_steps: int, start: float, end: float, curriculum: str) -> float:
-    """Share of SFT steps at step `step` (1..total_steps): `start` at the first step, `end` at the last."""
+    """Share of SFT steps at step `step` (1..total_steps), from `start` at the first to `end` at the last."""
     progress = (step - 1) / max(1, total_steps - 1)
     if curriculum == "linear":
         return start + (end - start) * progress
@@ -279,10 +275,9 @@ def sft_fraction(step: int, total_steps: int, start: float, end: float, curricul
 
 
 def step_kinds(total_steps: int, start: float, end: float, curriculum: str, seed: int) -> list[bool]:
-    """Which steps are SFT steps -> [total_steps] bool (index s - 1 for step s): True where the running sum of the
-    fractions, shifted by a phase u in [0, 1) drawn from the seed, crosses an integer: any window of steps holds the
-    sum of its fractions, to within one, of SFT steps."""
-    kinds, cumulative = [], float(np.random.default_rng(seed).random())  # from the phase u
+    """[total_steps] bool, True at SFT steps (index s - 1): where c(s) + u crosses an integer (the header's rule),
+    so any window of steps holds the sum of its fractions, +-1, of SFT steps."""
+    kinds, cumulative = [], float(np.random.default_rng(seed).random())  # the phase u
     for step in range(1, total_steps + 1):
         after = cumulative + sft_fraction(step, total_steps, start, end, curriculum)
         kinds.append(math.floor(after + 1e-9) > math.floor(cumulative + 1e-9))
@@ -311,8 +306,8 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
 
 def sft_step(actor_critic, optimizer, batch: list[tuple], run, micro: int, pad_id: int, max_grad_norm: float,
              autocast) -> tuple[dict, int]:
-    """One update on the global `batch` of (ids, labels) with sft.py's loss, the completion-only NLL over the batch's
-    completion tokens; this process's share in micro-batches -> (metrics, tokens)."""
+    """One update with sft.py's loss (a token mean over the global `batch` of (ids, labels)), this process's share
+    in micro-batches -> (metrics, tokens)."""
     n_tokens = sum(sum(1 for t in labels[1:] if t != -100) for _, labels in batch)
     share = len(batch) // run.world
     mine = batch[run.rank * share : (run.rank + 1) * share]
@@ -333,17 +328,17 @@ def sft_step(actor_critic, optimizer, batch: list[tuple], run, micro: int, pad_i
 
 
 def demonstration_targets(prompts: list, sft, args) -> list[str]:
-    """The demonstration of each RL prompt: the SFT split's completion of the same prompt (the `target` column)."""
+    """Each RL prompt's demonstration: the SFT split's completion of the same prompt."""
     by_prompt = {json.dumps(p): c for p, c in zip(sft[args.prompt_column], sft[args.completion_column])}
     missing = [i for i, p in enumerate(prompts) if json.dumps(p) not in by_prompt]
     if missing:
         raise ValueError(f"{len(missing)} RL prompts have no demonstration in the SFT split '{args.sft_split}' (row "
-                         f"{missing[0]}: {prompts[missing[0]]!r}) to be the reward's `target`: give the RL split a "
+                         f"{missing[0]}: {prompts[missing[0]]!r}) for the reward's `target`: give the RL split a "
                          f"`target` column, or use a --reward without one")
     return [by_prompt[json.dumps(p)] for p in prompts]
 
 
-# ---- PPO steps: ppo.py's code, verbatim (tests/test_hybrid.py holds them equal)
+# ---- PPO steps: ppo.py's code, verbatim (tests/test_hybrid.py checks)
 
 
 def masked_mean(x, mask):
@@ -361,7 +356,7 @@ def masked_whiten(x, mask, shift_mean: bool = True):
 
 
 def per_token_rewards(scores, kl, mask, kl_coef: float):
-    """-kl_coef KL_t at every real token, plus the score at the last one (Eq. 2 of arXiv:2203.02155 per token, as N+).
+    """-kl_coef KL_t at each real token, plus the score at the last (Eq. 2 of arXiv:2203.02155 per token, as N+).
     scores: [B]; kl, mask: [B, T] -> rewards [B, T], 0 on padding."""
     rewards = -kl_coef * kl * mask
     lengths = mask.sum(dim=1).long()
@@ -371,7 +366,7 @@ def per_token_rewards(scores, kl, mask, kl_coef: float):
 
 def gae(rewards, values, mask, gamma: float, lam: float):
     """Eq. 16 of arXiv:1506.02438, V = A = 0 after the last real token; R_t = A_t + V_t.
-    rewards, values, mask: [B, T] -> (advantages, returns) [B, T]."""
+    All [B, T] -> (advantages, returns)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     next_value = next_advantage = torch.zeros_like(rewards[:, 0])
@@ -385,17 +380,16 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 def value_loss(values, old_values, returns, mask, cliprange_value: float):
     """PPO2's clipped value loss (kept by N+), 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token mean.
-    values, old_values, returns, mask: [B, T] -> (loss, share of tokens where the clipped term won)."""
+    All [B, T] -> (loss, share of tokens where the clipped term won)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
-    unclipped_loss = (values - returns) ** 2
-    clipped_loss = (clipped - returns) ** 2
+    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(unclipped_loss, clipped_loss), mask)
     return loss, masked_mean((clipped_loss > unclipped_loss).float(), mask)
 
 
 @dataclass
 class KLController:
-    """The KL coefficient beta, updated once per step from the batch's KL; n = completions in the batch.
+    """KL coefficient beta, updated each step from the batch's KL; n = completions in the batch.
     adaptive (Sec. 2.2 of arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, +-0.2) n / horizon.
     step (Sec. 4 of arXiv:1707.06347, 1.5 for its 2): beta x 1.5 above 1.5 target, / 1.5 below target / 1.5."""
     kind: str
@@ -414,7 +408,7 @@ class KLController:
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(R - V) / Var(R) over real tokens (nan if R is constant). values, returns, mask: [B, T] -> float."""
+    """1 - Var(R - V) / Var(R) over real tokens (nan if R is constant). All [B, T] -> float."""
     def variance(x):
         return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
     var_returns = variance(returns)
@@ -442,18 +436,18 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 class PolicyWithValueHead(torch.nn.Module):
-    """The language model and a value head on its backbone as one module for DDP and FSDP2. PPO forward: the completion
-    tokens' (logp, entropy, values); SFT forward (labels given): the labelled tokens' summed NLL and count."""
+    """The language model and its value head, one module for DDP and FSDP2. Forward: the completion tokens' (logp,
+    entropy, values); with labels (SFT), the labelled tokens' summed NLL and count."""
 
     def __init__(self, policy, value_head: torch.nn.Linear):
         super().__init__()
         self.policy, self.value_head = policy, value_head
 
     def forward(self, input_ids, attention_mask, prompt_width: int = 0, temperature: float = 1.0, labels=None):
-        if labels is not None:  # right-padded, -100 on prompt and padding: sft.py's completion_only_loss, summed
+        if labels is not None:  # right-padded, -100 on prompt and padding: sft.py's completion_only_loss
             keep = labels[:, 1:] != -100
             return -(completion_logprobs(self.policy, input_ids, attention_mask, 1, 1.0) * keep).sum(), int(keep.sum())
-        # as completion_logprobs, keeping the hidden states: V_t is read where token t is predicted (its state)
+        # as completion_logprobs, keeping the hidden states: V_t is read at the state predicting token t
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         hidden = self.policy.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, use_cache=False).last_hidden_state
@@ -503,8 +497,8 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
 
 
 def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
-    """The split's prompts tokenised once (their last --max-prompt-length tokens) and the reward's inputs: the prompts
-    and the columns it reads ({name: column}) -> {"ids", "texts", "columns"}."""
+    """Prompts tokenised once (their last --max-prompt-length tokens) and the reward's inputs: the prompts and
+    `columns` ({name: column}) -> {"ids", "texts", "columns"}."""
     prompts = list(split[args.prompt_column])
     texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
     ids = [p[-args.max_prompt_length:] for p in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -564,10 +558,10 @@ def ppo_rollout(model, tokenizer, data: dict, rows: list, gen_config, backend, e
                          completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)])
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
-    return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
-            "sampler_logp": sampler_logp, "truncated": truncated,
-            "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
-            "prompts": [data["texts"][i] for i in rows], "completions": completions, "reward_inputs": inputs}
+    return dict(prompt_ids=ids, prompt_mask=mask, completion_ids=completion_ids, completion_mask=c_mask,
+                sampler_logp=sampler_logp, truncated=truncated,
+                rewards={k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
+                prompts=[data["texts"][i] for i in rows], completions=completions, reward_inputs=inputs)
 
 
 def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -586,7 +580,7 @@ def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float):
 
 
 def ppo_micro_batches(batch: dict, rows, size: int) -> list:
-    """`rows` in length-sorted micro-batches, each trimmed to its widest prompt and completion
+    """`rows` in length-sorted micro-batches trimmed to their widest prompt and completion
     -> [(rows, (input_ids, attention_mask, prompt_width), completion width)]."""
     width, out = batch["prompt_ids"].shape[1], []
     for i, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows], size):
@@ -598,8 +592,8 @@ def ppo_micro_batches(batch: dict, rows, size: int) -> list:
 
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast, run) -> dict:
-    """The batch with "ids", "attention", pi_old's and (beta > 0) pi_ref's log-probs "old_logp", "ref_logp", V_old
-    "old_values", "sampler_gap" (and TIS: "tis", "tis_capped")."""
+    """The batch plus "ids", "attention", log-probs of pi_old "old_logp" and (beta > 0) pi_ref "ref_logp", V_old
+    "old_values", "sampler_gap" (TIS: "tis", "tis_capped")."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -618,8 +612,8 @@ def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, ar
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
-    """Steps 2-3: the scores (less --missing-eos-penalty without EOS), per-token rewards from them and KL_t, GAE,
-    whitening -> {"scores" [B], "kl", "advantages", "returns"}."""
+    """Steps 2-3: scores (less --missing-eos-penalty without EOS), per-token rewards with KL_t, GAE, whitening
+    -> {"scores" [B], "kl", "advantages", "returns"}."""
     mask = batch["completion_mask"]
     scores = batch["rewards"]["total"].to(mask.device) - args.missing_eos_penalty * batch["truncated"].float()
     kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask if args.beta > 0 else 0 * mask
@@ -629,15 +623,15 @@ def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
     advantages, returns = gae(rewards, batch["old_values"], mask, args.gamma, args.lam)
     if args.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
-    return {"scores": scores, "kl": kl, "advantages": advantages, "returns": returns}
+    return dict(scores=scores, kl=kl, advantages=advantages, returns=returns)
 
 
 PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy")
 
 
 def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast) -> dict:
-    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each of the token
-    means of the clipped policy loss x TIS weights, value loss and entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
+    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, an update each on the token
+    means of clipped policy loss x TIS weights, value loss, entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
     -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
     mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
     sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
@@ -676,7 +670,7 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
 
 
 def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, args) -> dict:
-    """The step's metrics over all processes: rewards per component, KL, losses, clipping, the critic's fit."""
+    """The step's metrics over all processes: rewards per component, KL, losses, clipping, critic fit."""
     mask = batch["completion_mask"]
     local = {**{k: stats[k] for k in (*PPO_STATS, "tokens")}, "length": mask.sum(), "n": len(mask),
              "truncated": batch["truncated"].sum(), "capped": batch["tis_capped"].sum() if "tis" in batch else 0,
@@ -699,7 +693,7 @@ def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, 
 
 
 def perf_metrics(timing: dict, tokens: int, steps: int) -> dict:
-    """Seconds per step of each phase since the last log row, and tokens per second (all processes)."""
+    """Seconds per step of each phase since the last log row; tokens per second (all processes)."""
     per_step = {f"perf/{k}_s": v / steps for k, v in timing.items()}
     return {"perf/tokens_per_s": tokens / max(timing["step"], 1e-9), **per_step}
 
@@ -713,14 +707,13 @@ def sample_table(step: int, batch: dict, n: int) -> tuple[str, list, list]:
 
 def ppo_step(actor_critic, optimizer, batch: dict, ref_model, kl_ctl: KLController, run, args, micro: int,
              autocast) -> tuple[dict, dict]:
-    """ppo.py's loop steps 4b-4e on a scored rollout batch -> (the batch with its advantages and scores, the step's
-    metrics)."""
+    """ppo.py's loop steps 4b-4e on a scored rollout batch -> (the batch, with advantages and scores; metrics)."""
     raw = actor_critic.module if run.ddp and not run.fsdp else actor_critic
     batch = old_logprobs_and_values(raw, ref_model, batch, micro, args, autocast, run)
     kl_coef = kl_ctl.value
     batch.update(compute_advantages(batch, kl_coef, args))
     stats = ppo_update(actor_critic, optimizer, batch, micro, args, autocast)
-    # 5. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
+    # 4e. Adapt beta to the batch's KL: the mean over completions of the summed per-token KL.
     batch_kl = float(run.gather(batch["kl"].sum(dim=1)).mean())
     kl_ctl.update(batch_kl, args.prompts_per_step * args.num_generations)
     return batch, ppo_metrics(run, batch, stats, kl_coef, batch_kl, args)
@@ -730,7 +723,7 @@ def ppo_step(actor_critic, optimizer, batch: dict, ref_model, kl_ctl: KLControll
 
 
 def broadcast_lr(optimizer, device) -> None:
-    """Every process takes rank 0's learning rates (reduce_on_plateau steps on rank 0's evaluation)."""
+    """Every process takes rank 0's learning rates (reduce_on_plateau steps on its evaluation)."""
     lrs = torch.tensor([g["lr"] for g in optimizer.param_groups], dtype=torch.float64, device=device)
     dist.broadcast(lrs, 0)
     for g, lr in zip(optimizer.param_groups, lrs.tolist()):
@@ -738,22 +731,20 @@ def broadcast_lr(optimizer, device) -> None:
 
 
 def make_optimizer(name: str, param_groups: list[dict], args: Args) -> torch.optim.Optimizer:
-    """The optimiser called `name` over param_groups (each with its "lr"), with the flags' hyperparameters."""
+    """The optimiser `name` over param_groups (each with its "lr"), with the flags' hyperparameters."""
     betas, eps = (args.adam_beta1, args.adam_beta2), args.adam_epsilon
     family_kwargs = {
         "sgd": dict(momentum=args.momentum, dampening=args.sgd_dampening, nesterov=args.sgd_nesterov),
         "rmsprop": dict(alpha=args.rmsprop_alpha, eps=eps, momentum=args.momentum, centered=args.rmsprop_centered),
         "adagrad": dict(lr_decay=args.adagrad_lr_decay, initial_accumulator_value=args.adagrad_initial_accumulator,
                         eps=eps),
-        # a fixed lr (the schedule's), not Adafactor's own relative step size
+        # the schedule's lr, not Adafactor's own relative step size
         "adafactor": dict(beta1=args.adam_beta1 or None, scale_parameter=False, relative_step=False, warmup_init=False),
         "lion": dict(betas=betas),
         "ademamix": dict(eps=eps)}  # AdEMAMix keeps its own three betas
     family = next(w for w in name.split("_") if w != "paged")  # paged_adamw_8bit -> adamw
     kwargs = dict(weight_decay=args.weight_decay, **family_kwargs.get(family, dict(betas=betas, eps=eps)))
     if name == "adafactor":
-        from transformers import Adafactor
-
         return Adafactor(param_groups, **kwargs)
     if name in TORCH_OPTIMIZERS:
         return getattr(torch.optim, CLASS_WORDS.get(name, name.capitalize()))(param_groups, **kwargs)
@@ -763,16 +754,14 @@ def make_optimizer(name: str, param_groups: list[dict], args: Args) -> torch.opt
     try:
         import bitsandbytes as bnb
     except ImportError:
-        raise ValueError(f"--optimizer {name} needs the bitsandbytes package: `pip install bitsandbytes` (a CUDA "
-                         f"GPU), or choose one of {', '.join(TORCH_OPTIMIZERS)}") from None
+        raise ValueError(f"--optimizer {name} needs the bitsandbytes package: `pip install bitsandbytes` (CUDA), "
+                         f"or use one of {', '.join(TORCH_OPTIMIZERS)}") from None
     return getattr(bnb.optim, BNB_OPTIMIZERS[name])(param_groups, lr=param_groups[0]["lr"], **kwargs)
 
 
 def make_scheduler(name: str, optimizer: torch.optim.Optimizer, args: Args):
-    """The lr schedule called `name`, from transformers.get_scheduler or torch.optim.lr_scheduler."""
+    """The lr schedule `name`, from transformers.get_scheduler or torch.optim.lr_scheduler."""
     if name in HF_SCHEDULERS:
-        from transformers import get_scheduler
-
         name = {"poly": "polynomial", "none": "constant"}.get(name, name)
         warmup = args.warmup_steps or math.ceil(args.warmup_ratio * args.total_steps)
         extra = {"cosine_with_restarts": {"num_cycles": args.lr_num_cycles}, "polynomial": {"power": args.lr_power}}
@@ -799,8 +788,8 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer, args: Args):
 
 
 def load_policy_and_value_head(args, device, tokenizer):
-    """The policy (dropout off; LoRA adapters), a zero value head on its backbone (V = 0 at the start), and a frozen
-    reference when beta > 0 (None with LoRA: the policy with its adapters off) -> (model, head, reference, EOS ids)."""
+    """The policy (dropout off; LoRA adapters), a zero value head (V = 0 at the start), the frozen reference (None
+    with LoRA or beta = 0) -> (model, head, reference, EOS ids)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device)
     value_head = torch.nn.Linear(model.config.get_text_config().hidden_size, 1).to(device)
@@ -824,14 +813,14 @@ def load_policy_and_value_head(args, device, tokenizer):
 
 def demonstrations(args, tokenizer, sft) -> list[tuple[list[int], list[int]]]:
     """The SFT split's (first --sft-limit) demonstrations as (input_ids, labels), the prompt masked."""
-    demos = sft.select(range(min(len(sft), args.sft_limit))) if args.sft_limit else sft
-    texts = prompt_texts(tokenizer, list(demos[args.prompt_column]), args.use_chat_template, args.prompt_column)
+    demos = sft[: args.sft_limit or len(sft)]  # {column: values}
+    texts = prompt_texts(tokenizer, demos[args.prompt_column], args.use_chat_template, args.prompt_column)
     prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    completions = tokenizer(list(demos[args.completion_column]), add_special_tokens=False)["input_ids"]
+    completions = tokenizer(demos[args.completion_column], add_special_tokens=False)["input_ids"]
     too_long = [i for i, p in enumerate(prompts) if len(p) >= args.max_length]
     if too_long:
         raise ValueError(f"{len(too_long)} SFT prompts are longer than --max-length {args.max_length} - 1 tokens (row "
-                         f"{too_long[0]} has {len(prompts[too_long[0]])}); raise --max-length or shorten them")
+                         f"{too_long[0]}: {len(prompts[too_long[0]])}); raise --max-length or shorten them")
     return [build_example(p, c, tokenizer.eos_token_id, args.max_length) for p, c in zip(prompts, completions)]
 
 
@@ -843,7 +832,7 @@ def main(args: Args) -> dict:
     run = Run(args, overrides, ("train/reward", "train/sft_loss", "eval/accuracy") + ("train/kl",) * (args.beta > 0))
     device, world, G = run.device, run.world, args.num_generations
 
-    # 1. Data: demonstrations; RL prompts, the reward's columns (`target`: a demonstration); eval; the context fits.
+    # 1. Data: demonstrations; RL prompts and the reward's columns (`target`: a demonstration); eval; context fits.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     sft = load_split(args, "sft_split", [args.prompt_column, args.completion_column],
@@ -852,7 +841,7 @@ def main(args: Args) -> dict:
     train = load_split(args, "dataset_split", [args.prompt_column, *(c for c in columns.values() if c != "target")],
                        f"--prompt-column/--answer-column, or a --reward that does not need them ({args.reward!r})")
     demo_target = "target" in columns and "target" not in train.column_names
-    data = rl_prompts(args, tokenizer, train, {n: c for n, c in columns.items() if not (demo_target and n == "target")})
+    data = rl_prompts(args, tokenizer, train, {n: c for n, c in columns.items() if n != "target" or not demo_target})
     if demo_target:
         data["columns"]["target"] = demonstration_targets(data["columns"]["prompts"], sft, args)
     examples = demonstrations(args, tokenizer, sft)
@@ -861,11 +850,11 @@ def main(args: Args) -> dict:
     check_context(AutoConfig.from_pretrained(args.model_name_or_path), data["ids"] + eval_ids,
                   args.max_completion_length, "--max-completion-length")
 
-    # 2. Models: the policy with a value head on its backbone, one module for DDP / FSDP2; the frozen reference.
+    # 2. Models: the policy and value head, one module for DDP / FSDP2; the frozen reference.
     model, value_head, ref_model, eos_ids = load_policy_and_value_head(args, device, tokenizer)
     check_bf16_updates(run, model, args.learning_rate)
     raw_actor_critic = actor_critic = PolicyWithValueHead(model, value_head)
-    if run.fsdp:  # each decoder layer sharded over the processes, the reference's too
+    if run.fsdp:  # each decoder layer sharded, the reference's too
         actor_critic = run.shard(actor_critic, decoder_layers(model))
         ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
     elif run.ddp:  # an SFT step leaves the value head without a gradient
@@ -875,14 +864,16 @@ def main(args: Args) -> dict:
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=eos_ids)
 
-    # 3. Optimiser (a group for the value head), schedule, KL controller, step kinds, data orders; on --resume, states.
+    # 3. Optimiser (a group for the value head), schedule, KL controller, step kinds, data orders; resumed states.
     policy_params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(args.optimizer, [{"params": policy_params, "lr": args.learning_rate}, {
         "params": list(value_head.parameters()), "lr": args.value_head_lr or args.learning_rate}], args)
     scheduler = make_scheduler(args.lr_scheduler, optimizer, args)
+    plateau = args.lr_scheduler == "reduce_on_plateau"  # steps in measure()
     run.trained = (actor_critic, optimizer)  # what --fsdp checkpoints in shards
     kl_ctl = KLController(args.kl_controller, args.beta, args.kl_target, args.kl_horizon)
-    kinds = step_kinds(args.total_steps, args.sft_fraction_start, args.sft_fraction_end, args.curriculum, args.seed)
+    curriculum = (args.total_steps, args.sft_fraction_start, args.sft_fraction_end, args.curriculum)
+    kinds = step_kinds(*curriculum, args.seed)
     order = DataOrder(len(data["ids"]), args.seed * 1000 + run.rank)
     sft_order = DataOrder(len(examples), args.seed)
     state = run.restore(model, optimizer, scheduler)
@@ -899,8 +890,8 @@ def main(args: Args) -> dict:
             return {}, []
         acc, samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
                                        eos_ids, progress=run.progress)
-        if args.lr_scheduler == "reduce_on_plateau" and 0 < run.step < args.total_steps:
-            scheduler.step(acc)  # at the evaluations during the run (rank 0's; the others take its lr, below)
+        if plateau and 0 < run.step < args.total_steps:
+            scheduler.step(acc)  # during the run, on rank 0 (broadcast_lr shares its lr)
         return {"eval/accuracy": acc}, samples
 
     def save() -> Path:
@@ -918,10 +909,10 @@ def main(args: Args) -> dict:
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
-            if run.ddp and args.lr_scheduler == "reduce_on_plateau":  # every process takes rank 0's lr
+            if run.ddp and plateau:
                 broadcast_lr(optimizer, device)
             lr = optimizer.param_groups[0]["lr"]  # this step's rate (logged below)
-            # 4a. The step's kind, from the curriculum: SFT on demonstrations, or PPO (ppo.py's steps 4a-4e).
+            # 4a. The curriculum's step kind: SFT on demonstrations, or PPO (ppo.py's steps 4a-4e).
             if kinds[step - 1]:
                 t_train = time.perf_counter()
                 demos = [examples[i] for i in sft_order.draw(args.sft_batch_size)]
@@ -930,12 +921,12 @@ def main(args: Args) -> dict:
             else:
                 with run.whole():  # --fsdp: whole weights while sampling (processes may run different step counts)
                     rows = [i for i in order.draw(args.prompts_per_step // world) for _ in range(G)]
-                    batch = ppo_rollout(model, tokenizer, data, rows, gen_config, generation_backend(args, device), eos_ids,
-                                        reward, autocast, timing)
+                    batch = ppo_rollout(model, tokenizer, data, rows, gen_config, generation_backend(args, device),
+                                        eos_ids, reward, autocast, timing)
                 t_train = time.perf_counter()
                 batch, metrics = ppo_step(actor_critic, optimizer, batch, ref_model, kl_ctl, run, args, micro, autocast)
                 n_tokens = int(batch["attention"].sum()) * world
-            if args.lr_scheduler != "reduce_on_plateau":  # that one steps on eval/accuracy at each evaluation
+            if not plateau:
                 scheduler.step()
             timing["train"] += time.perf_counter() - t_train
             timing["step"] += time.perf_counter() - t_step
@@ -943,14 +934,13 @@ def main(args: Args) -> dict:
 
             # 4b. Log.
             if step % args.log_every == 0 or step == args.total_steps:
-                share = sft_fraction(step, args.total_steps, args.sft_fraction_start, args.sft_fraction_end,
-                                     args.curriculum)
-                final = {"step": step, "train/is_sft_step": int(kinds[step - 1]), "train/sft_fraction": share,
-                         "train/lr": lr, **perf_metrics(timing, tokens, step - last_log), **metrics}
+                final = {"step": step, "train/is_sft_step": int(kinds[step - 1]),
+                         "train/sft_fraction": sft_fraction(step, *curriculum), "train/lr": lr,
+                         **perf_metrics(timing, tokens, step - last_log), **metrics}
                 run.log(final, None if kinds[step - 1] else sample_table(step, batch, args.num_sample_completions))
                 tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
 
-    # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) with its value head in final/.
+    # 5. Final evaluation, a checkpoint, the trained model (LoRA merged) and its value head in final/.
     merged = (lambda: PolicyWithValueHead(copy.deepcopy(model).merge_and_unload(), value_head)) if args.lora_r else None
     return run.finish(final, measure, save, merged or raw_actor_critic, tokenizer)
 
@@ -993,7 +983,7 @@ def check_args(args: Args) -> tuple[int, int]:
             (args.target_kl is not None and args.target_kl <= 0, "--target-kl must be positive (or None: never)")):
         if bad:
             raise ValueError(message)
-    # unknown names, a missing bitsandbytes and settings the optimiser refuses fail now, on a stand-in parameter
+    # on a stand-in parameter: unknown names, a missing bitsandbytes, refused settings fail now
     stand_in = [{"params": [torch.zeros(1, requires_grad=True)], "lr": 1.0}]
     make_scheduler(args.lr_scheduler, make_optimizer(args.optimizer, stand_in, args), args)
     return (fit_micro_batch(args.micro_batch_size, per_process // args.num_mini_batches, "each mini-batch"),
@@ -1088,43 +1078,39 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
 
 @torch.no_grad()
 def sampler_copy(model):
-    """The model's bfloat16 copy for sampling, made on first use; each call overwrites its weights in place from the
-    model's (LoRA merged in), so the static cache's compiled CUDA graphs stay valid. Called under Run.whole: --fsdp's
-    weights are whole there, and each process holds a whole copy."""
+    """The model's bfloat16 copy (made once) with the model's weights written into it in place, LoRA merged: its
+    compiled CUDA graphs stay valid. Called under Run.whole, where --fsdp's weights are whole."""
     base = model.get_base_model() if hasattr(model, "peft_config") else model
-    if "bf16_copy" not in vars(base):  # an attribute, not a submodule: outside parameters() and state_dict()
+    if "bf16_copy" not in vars(base):  # not a submodule: outside parameters() and state_dict()
         with torch.device(base.device):
             vars(base)["bf16_copy"] = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=torch.bfloat16)
-        vars(base)["bf16_copy"].generation_config = base.generation_config
-    weights = dict(base.named_parameters())
-    lora = {n: m for n, m in base.named_modules() if hasattr(m, "get_delta_weight")}  # peft's LoRA layers
+    weights, lora = dict(base.named_parameters()), {n: m for n, m in base.named_modules() if hasattr(m, "lora_A")}
     for name, p in base.bf16_copy.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        if owner not in lora:
+        m = lora.get(owner)
+        if m is None:
             p.copy_(weights[name])
-        elif leaf == "weight":
-            m = lora[owner]
-            p.copy_(weights[f"{owner}.base_layer.weight"] + m.get_delta_weight(m.active_adapters[0]))
         else:
-            p.copy_(weights[f"{owner}.base_layer.{leaf}"])
+            delta = m.get_delta_weight(m.active_adapters[0]) if leaf == "weight" else 0
+            p.copy_(weights[f"{owner}.base_layer.{leaf}"] + delta)
     return base.bf16_copy
 
 
 def generation_backend(args, device) -> str:
-    """--generation-backend auto: on CUDA, copy with --dtype auto (float32 weights), else static; shared on CPU."""
+    """--generation-backend auto: on CUDA copy (static with --dtype float32/bfloat16), on CPU shared."""
     if args.generation_backend != "auto":
         return args.generation_backend
     return "shared" if device.type != "cuda" else "copy" if args.dtype == "auto" else "static"
 
 
 def check_bf16_updates(run, model, lr: float) -> None:
-    """Warn when bfloat16 weights would drop most AdamW updates. Adam moves an entry by about lr a step; bfloat16
-    rounds w + lr back to w where lr is under half its spacing there (2^-8 of |w|): count those entries."""
+    """Warn if most bfloat16 weights w would not move by an AdamW step (about lr): where lr < 2^-8 |w|, w + lr
+    rounds back to w."""
     w = [p.detach() for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
     lost = sum(int(((p.float() + lr).to(p.dtype) == p).sum()) for p in w) / max(1, sum(p.numel() for p in w))
     if lost > 0.5:
-        run.say(f"warning: with --dtype bfloat16 an update of --learning-rate {lr:g} leaves {lost:.0%} of the weights "
-                f"as they were; --dtype auto trains float32 weights (on CUDA sampling with a bfloat16 copy)")
+        run.say(f"warning: --dtype bfloat16 at --learning-rate {lr:g} leaves {lost:.0%} of the weights unchanged by an "
+                f"update: --dtype auto trains float32 weights")
 
 
 class Forward(torch.nn.Module):

@@ -17,7 +17,7 @@ Run:
 
 Deviations (why, and the measurements: docs/ppo.md):
 - The value model is a separate network (as N+) with a zero scalar head, so V = 0 at the start.
-- Defaults fit the 0.9M-parameter embedded model: 128 prompts, 2 epochs, lr 1e-4 (value 1e-3), fixed beta 0.05, k1.
+- Defaults fit the embedded 0.9M-parameter model: 2 epochs, lr 1e-4 (value 1e-3), fixed beta 0.05, k1.
 - --target-kl stops a step's epochs early (as CleanRL); --kl-controller step moves beta by 1.5 (the PPO paper: 2).
 - Log-probs are of softmax(logits / T), the distribution sampled from (N+); advantages are whitened per process.
 - With --lora-r both models get adapters and the reference is the policy with its adapters off.
@@ -61,13 +61,13 @@ class Args:
     prompts_per_step: int = 128
     """prompts per training step, over all processes"""
     max_completion_length: int = 40
-    """most new tokens per completion (also in the greedy evaluation)"""
+    """most new tokens per completion (also in evaluation)"""
     temperature: float = 0.7
-    """sampling temperature; log-probs are those of the tempered distribution"""
+    """sampling temperature (log-probs are of the tempered distribution)"""
     reward: str = DEFAULT_SPEC
-    """reward spec for rewards.make_reward: `name:weight,...` or a JSON spec file"""
+    """reward spec (rewards.make_reward): `name:weight,...` or a JSON file"""
     center_scores_per_prompt: bool = False
-    """subtract from each score its prompt's mean (for Bradley-Terry reward models; needs G >= 2)"""
+    """subtract each prompt's mean score (for Bradley-Terry rewards; needs G >= 2)"""
     gold_reward: Optional[str] = None
     """a reward spec logged as rewards/gold, never trained on (what a learned --reward stands in for)"""
     missing_eos_penalty: float = 0.0
@@ -77,9 +77,9 @@ class Args:
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """per-token estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html"""
     kl_controller: Literal["fixed", "adaptive", "step"] = "fixed"
-    """fixed beta; adaptive (Ziegler et al. Sec. 2.2) or step (x or / 1.5), both need --kl-target"""
+    """fixed; adaptive (Ziegler et al. Sec. 2.2) or step (x or / 1.5), both need --kl-target"""
     kl_target: float = 0.0
-    """target KL per completion (summed over its tokens) of the adaptive and step controllers"""
+    """the controllers' target KL per completion (summed over its tokens)"""
     kl_horizon: int = 10000
     """adaptive controller's horizon, in completions"""
     gamma: float = 1.0
@@ -87,55 +87,55 @@ class Args:
     lam: float = 0.95
     """GAE lambda"""
     whiten_advantages: bool = True
-    """normalise advantages to mean 0, std 1 over the batch's real tokens"""
+    """whiten advantages: mean 0, std 1 over the batch's real tokens"""
     whiten_rewards: bool = False
-    """scale the per-token rewards to std 1 (mean kept) before GAE"""
+    """scale per-token rewards to std 1 (mean kept) before GAE"""
     num_ppo_epochs: int = 2
     """passes over each batch of rollouts"""
     num_mini_batches: int = 1
     """mini-batches per pass, one update each"""
     clip_low: float = 0.2
-    """the ratio is clipped below at 1 - clip_low"""
+    """ratio clipped below at 1 - clip_low"""
     clip_high: float = 0.2
-    """the ratio is clipped above at 1 + clip_high"""
+    """ratio clipped above at 1 + clip_high"""
     cliprange_value: float = 0.2
-    """the value's clipping range around the rollout's value"""
+    """values clipped to V_old +- this"""
     vf_coef: float = 0.1
     """weight of the value loss"""
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
     target_kl: Optional[float] = None
-    """stop a step's epochs once an epoch's mean approximate KL(pi_old || pi) exceeds this (None: never)"""
+    """stop a step's epochs once an epoch's mean approx. KL(pi_old || pi) exceeds this (None: never)"""
     importance_sampling_cap: Optional[float] = None
     """TIS (truncated importance sampling): loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
 
     # --- model / data
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM (and its tokenizer)"""
+    """folder or hub id of the causal LM and its tokenizer"""
     value_model_name_or_path: Optional[str] = None
     """folder or hub id of the value model's backbone (None: the policy's)"""
     value_model_layers: int = 0
-    """keep the value model's first N decoder layers only (0: all)"""
+    """keep the value model's first N decoder layers (0: all)"""
     dataset: str = "data/arith"
     """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
     dataset_split: str = "train"
     """split with the training prompts"""
     eval_split: Optional[str] = "test"
-    """split with prompts and answers for greedy-decoding accuracy (None: no eval)"""
+    """split with prompts and answers for greedy accuracy (None: no eval)"""
     prompt_column: str = "prompt"
-    """column holding the prompt (text, or chat messages with --use-chat-template)"""
+    """prompt column (text, or chat messages with --use-chat-template)"""
     answer_column: str = "answer"
-    """column holding the reference answer; rewards receive it as `answer`"""
+    """reference answer column; rewards receive it as `answer`"""
     use_chat_template: bool = False
     """wrap each prompt in the tokenizer's chat template"""
     max_prompt_length: int = 256
     """prompts longer than this many tokens keep their last tokens"""
     eval_limit: int = 500
-    """evaluate on at most this many eval examples"""
+    """evaluate on at most this many examples"""
     lora_r: int = 0
-    """rank of LoRA adapters on every linear layer of both models (0: train all weights)"""
+    """rank of LoRA adapters on each linear layer of both models (0: train all weights)"""
     lora_alpha: float = 32.0
-    """LoRA scaling numerator (the update is scaled by alpha / r)"""
+    """LoRA scaling numerator (update x alpha / r)"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
 
@@ -157,7 +157,7 @@ class Args:
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping by global norm, for each model on its own"""
+    """gradient clipping by global norm, each model on its own"""
 
     # --- logging / checkpointing
     log_every: int = 1
@@ -167,7 +167,7 @@ class Args:
     save_every: int = 0
     """steps between checkpoints (0: at the end and when stopped)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint when this many minutes have passed since the last (0: off): a killed run loses no more"""
+    """also a checkpoint every this many minutes (0: off): a killed run loses no more"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
     num_sample_completions: int = 8
@@ -184,15 +184,15 @@ class Args:
     """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
     generation_backend: Literal["auto", "shared", "static", "copy"] = "auto"
     """auto: copy on CUDA (static with --dtype float32/bfloat16), shared on CPU; shared: each prompt prefilled once;
-    static: a static KV cache; copy: static, on a bfloat16 copy of the weights refreshed after each update"""
+    static: a static KV cache; copy: static, on a bfloat16 weight copy refreshed after each update"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     fsdp: bool = False
     """under torchrun, shard weights, gradients and optimiser states (FSDP2) instead of DDP"""
     exp_name: str = "ppo"
-    """name of this experiment, part of the run directory name"""
+    """experiment name, part of the run directory name"""
     seed: int = 1
-    """seed of python, numpy and torch, and of the data order"""
+    """seed of python, numpy, torch and the data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
@@ -221,7 +221,7 @@ def masked_whiten(x, mask, shift_mean: bool = True):
 
 
 def per_token_rewards(scores, kl, mask, kl_coef: float):
-    """-kl_coef KL_t at every real token, plus the score at the last one (Eq. 2 of arXiv:2203.02155 per token, as N+).
+    """-kl_coef KL_t at each real token, plus the score at the last (Eq. 2 of arXiv:2203.02155 per token, as N+).
     scores: [B]; kl, mask: [B, T] -> rewards [B, T], 0 on padding."""
     rewards = -kl_coef * kl * mask
     lengths = mask.sum(dim=1).long()
@@ -231,7 +231,7 @@ def per_token_rewards(scores, kl, mask, kl_coef: float):
 
 def gae(rewards, values, mask, gamma: float, lam: float):
     """Eq. 16 of arXiv:1506.02438, V = A = 0 after the last real token; R_t = A_t + V_t.
-    rewards, values, mask: [B, T] -> (advantages, returns) [B, T]."""
+    All [B, T] -> (advantages, returns)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     next_value = next_advantage = torch.zeros_like(rewards[:, 0])
@@ -245,17 +245,16 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 def value_loss(values, old_values, returns, mask, cliprange_value: float):
     """PPO2's clipped value loss (kept by N+), 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token mean.
-    values, old_values, returns, mask: [B, T] -> (loss, share of tokens where the clipped term won)."""
+    All [B, T] -> (loss, share of tokens where the clipped term won)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
-    unclipped_loss = (values - returns) ** 2
-    clipped_loss = (clipped - returns) ** 2
+    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(unclipped_loss, clipped_loss), mask)
     return loss, masked_mean((clipped_loss > unclipped_loss).float(), mask)
 
 
 @dataclass
 class KLController:
-    """The KL coefficient beta, updated once per step from the batch's KL; n = completions in the batch.
+    """KL coefficient beta, updated each step from the batch's KL; n = completions in the batch.
     adaptive (Sec. 2.2 of arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, +-0.2) n / horizon.
     step (Sec. 4 of arXiv:1707.06347, 1.5 for its 2): beta x 1.5 above 1.5 target, / 1.5 below target / 1.5."""
     kind: str
@@ -274,7 +273,7 @@ class KLController:
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(R - V) / Var(R) over real tokens (nan if R is constant). values, returns, mask: [B, T] -> float."""
+    """1 - Var(R - V) / Var(R) over real tokens (nan if R is constant). All [B, T] -> float."""
     def variance(x):
         return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
     var_returns = variance(returns)
@@ -302,7 +301,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 class PolicyAndValueModel(torch.nn.Module):
-    """The policy and the value model as one module (DDP, FSDP2), saved as the policy's folder + value_model/."""
+    """The policy and value model as one module (DDP, FSDP2), saved as the policy's folder + value_model/."""
 
     def __init__(self, policy, value_model, tokenizer):
         super().__init__()
@@ -317,7 +316,7 @@ class PolicyAndValueModel(torch.nn.Module):
         return logp, entropy, scores[:, prompt_width - 1 : -1, 0].to(torch.float32, copy=True)  # not a view (FSDP2)
 
     def save_pretrained(self, path: Path, state_dict: Optional[dict] = None, **kwargs) -> None:
-        """state_dict: the gathered weights of both (--fsdp), or None."""
+        """state_dict: both models' gathered weights (--fsdp), or None."""
         for name, folder in (("policy", path), ("value_model", path / "value_model")):
             part = {k[len(name) + 1:]: v for k, v in (state_dict or {}).items() if k.startswith(name + ".")}
             getattr(self, name).save_pretrained(folder, state_dict=part or None, **kwargs)
@@ -325,8 +324,8 @@ class PolicyAndValueModel(torch.nn.Module):
 
 
 def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
-    """The backbone of `name` with a scalar head (a one-label token classifier), zero unless `name` has one, so
-    that V = 0 at the start; layers > 0 keeps only the first `layers` decoder blocks."""
+    """`name`'s backbone with a scalar head (a one-label token classifier), zero unless `name` has one so that V = 0
+    at the start; layers > 0 keeps the first `layers` decoder blocks."""
     has_head = any(a.endswith("ForTokenClassification") for a in AutoConfig.from_pretrained(name).architectures or [])
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the head is set below: no "newly initialized" warning
@@ -387,8 +386,8 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
 
 
 def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
-    """The split's prompts tokenised once (their last --max-prompt-length tokens) and the reward's inputs: the prompts
-    and the columns it reads ({name: column}) -> {"ids", "texts", "columns"}."""
+    """Prompts tokenised once (their last --max-prompt-length tokens) and the reward's inputs: the prompts and
+    `columns` ({name: column}) -> {"ids", "texts", "columns"}."""
     prompts = list(split[args.prompt_column])
     texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
     ids = [p[-args.max_prompt_length:] for p in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -448,10 +447,10 @@ def ppo_rollout(model, tokenizer, data: dict, rows: list, gen_config, backend, e
                          completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)])
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
-    return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
-            "sampler_logp": sampler_logp, "truncated": truncated,
-            "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
-            "prompts": [data["texts"][i] for i in rows], "completions": completions, "reward_inputs": inputs}
+    return dict(prompt_ids=ids, prompt_mask=mask, completion_ids=completion_ids, completion_mask=c_mask,
+                sampler_logp=sampler_logp, truncated=truncated,
+                rewards={k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
+                prompts=[data["texts"][i] for i in rows], completions=completions, reward_inputs=inputs)
 
 
 def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,7 +469,7 @@ def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float):
 
 
 def ppo_micro_batches(batch: dict, rows, size: int) -> list:
-    """`rows` in length-sorted micro-batches, each trimmed to its widest prompt and completion
+    """`rows` in length-sorted micro-batches trimmed to their widest prompt and completion
     -> [(rows, (input_ids, attention_mask, prompt_width), completion width)]."""
     width, out = batch["prompt_ids"].shape[1], []
     for i, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows], size):
@@ -482,8 +481,8 @@ def ppo_micro_batches(batch: dict, rows, size: int) -> list:
 
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast, run) -> dict:
-    """The batch with "ids", "attention", pi_old's and (beta > 0) pi_ref's log-probs "old_logp", "ref_logp", V_old
-    "old_values", "sampler_gap" (and TIS: "tis", "tis_capped")."""
+    """The batch plus "ids", "attention", log-probs of pi_old "old_logp" and (beta > 0) pi_ref "ref_logp", V_old
+    "old_values", "sampler_gap" (TIS: "tis", "tis_capped")."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -502,8 +501,8 @@ def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, ar
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
-    """Steps 2-3: the scores (less --missing-eos-penalty without EOS), per-token rewards from them and KL_t, GAE,
-    whitening -> {"scores" [B], "kl", "advantages", "returns"}."""
+    """Steps 2-3: scores (less --missing-eos-penalty without EOS), per-token rewards with KL_t, GAE, whitening
+    -> {"scores" [B], "kl", "advantages", "returns"}."""
     mask = batch["completion_mask"]
     scores = batch["rewards"]["total"].to(mask.device) - args.missing_eos_penalty * batch["truncated"].float()
     kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask if args.beta > 0 else 0 * mask
@@ -513,15 +512,15 @@ def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
     advantages, returns = gae(rewards, batch["old_values"], mask, args.gamma, args.lam)
     if args.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
-    return {"scores": scores, "kl": kl, "advantages": advantages, "returns": returns}
+    return dict(scores=scores, kl=kl, advantages=advantages, returns=returns)
 
 
 PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy")
 
 
 def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast) -> dict:
-    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, one update each of the token
-    means of the clipped policy loss x TIS weights, value loss and entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
+    """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, an update each on the token
+    means of clipped policy loss x TIS weights, value loss, entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
     -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
     mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
     sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
@@ -560,7 +559,7 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
 
 
 def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, args) -> dict:
-    """The step's metrics over all processes: rewards per component, KL, losses, clipping, the critic's fit."""
+    """The step's metrics over all processes: rewards per component, KL, losses, clipping, critic fit."""
     mask = batch["completion_mask"]
     local = {**{k: stats[k] for k in (*PPO_STATS, "tokens")}, "length": mask.sum(), "n": len(mask),
              "truncated": batch["truncated"].sum(), "capped": batch["tis_capped"].sum() if "tis" in batch else 0,
@@ -583,7 +582,7 @@ def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, 
 
 
 def perf_metrics(timing: dict, tokens: int, steps: int) -> dict:
-    """Seconds per step of each phase since the last log row, and tokens per second (all processes)."""
+    """Seconds per step of each phase since the last log row; tokens per second (all processes)."""
     per_step = {f"perf/{k}_s": v / steps for k, v in timing.items()}
     return {"perf/tokens_per_s": tokens / max(timing["step"], 1e-9), **per_step}
 
@@ -596,7 +595,7 @@ def sample_table(step: int, batch: dict, n: int) -> tuple[str, list, list]:
 
 
 def load_policy_and_value_model(args, device, tokenizer):
-    """The policy, the value model (dropout off, LoRA on both) and the frozen reference (None with LoRA or beta = 0)
+    """The policy and value model (dropout off, LoRA on both), the frozen reference (None with LoRA or beta = 0)
     -> (model, value model, reference, EOS ids)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device)
@@ -623,7 +622,7 @@ def load_policy_and_value_model(args, device, tokenizer):
 
 
 def restore_value_model(value_model, args, run) -> None:
-    """--resume: the value model from value_model/ (its LoRA adapters, or all its weights; --fsdp: in the shards)."""
+    """--resume: the value model from value_model/ (LoRA adapters or all weights; --fsdp: in the shards)."""
     path = Path(args.resume) / "value_model"
     if args.lora_r:
         from peft import set_peft_model_state_dict
@@ -643,7 +642,7 @@ def main(args: Args) -> dict:
     run = Run(args, overrides, ("train/reward", "eval/accuracy") + ("train/kl",) * (args.beta > 0))
     device, world, G = run.device, run.world, args.num_generations
 
-    # 1. Data: prompts tokenised once, the rewards' columns, the eval split; each prompt + completion fits the context.
+    # 1. Data: prompts tokenised once, the rewards' columns, the eval split; prompt + completion fit the context.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     needed = reward.required_columns | (gold.required_columns if gold else set())
@@ -721,22 +720,22 @@ def main(args: Args) -> dict:
                 rows = [i for i in order.draw(args.prompts_per_step // world) for _ in range(G)]
                 batch = ppo_rollout(model, tokenizer, data, rows, gen_config, generation_backend(args, device), eos_ids,
                                     reward, autocast, timing)
-            if args.center_scores_per_prompt:  # less the mean of the prompt's G scores; rewards/<name> stay raw
+            if args.center_scores_per_prompt:  # less the prompt's mean score; rewards/<name> stay raw
                 total = batch["rewards"]["total"]
                 batch["rewards"]["total"] = total - total.view(-1, G).mean(1).repeat_interleave(G)
             if gold is not None:  # logged, never in the loss
                 batch["rewards"]["gold"] = torch.tensor(gold(batch["completions"], **batch["reward_inputs"]))
             t_train = time.perf_counter()
-            # 4b. pi_old's and pi_ref's log-probs and V_old, without gradients; the sampler's gap to pi_old.
+            # 4b. pi_old's and pi_ref's log-probs and V_old (no gradients); the sampler's gap to pi_old.
             batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast, run)
             # 4c. Per-token rewards -beta KL_t + [t = last] s, GAE, whitened advantages.
             kl_coef = kl_ctl.value
             batch.update(compute_advantages(batch, kl_coef, args))
-            # 4d. PPO epochs over shuffled mini-batches: the clipped policy and value losses, the entropy bonus.
+            # 4d. PPO epochs over shuffled mini-batches: clipped policy and value losses, entropy bonus.
             stats = ppo_update(actor_critic, optimizer, batch, micro, args, autocast)
             lr = scheduler.get_last_lr()[0]  # this step's rate (logged below)
             scheduler.step()
-            # 4e. The KL controller sees the batch's KL: the mean over completions of the summed per-token KL.
+            # 4e. Adapt beta to the batch's KL: the mean over completions of the summed per-token KL.
             batch_kl = float(run.gather(batch["kl"].sum(dim=1)).mean())
             kl_ctl.update(batch_kl, args.prompts_per_step * G)
             timing["train"] += time.perf_counter() - t_train
@@ -750,7 +749,7 @@ def main(args: Args) -> dict:
                 run.log(final, sample_table(step, batch, args.num_sample_completions))
                 tokens, last_log, timing = 0, step, dict.fromkeys(timing, 0.0)
 
-    # 5. Final evaluation, a checkpoint, and the trained models (LoRA merged into them) in final/.
+    # 5. Final evaluation, a checkpoint, the trained models (LoRA merged) in final/.
     merged = (lambda: PolicyAndValueModel(*(copy.deepcopy(m).merge_and_unload() for m in (model, value_model)),
                                           tokenizer)) if args.lora_r else raw_actor_critic
     return run.finish(final, measure, save, merged, tokenizer)
@@ -763,14 +762,15 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "sa
 
 def check_args(args: Args) -> int:
     """Every check that needs no model or data loading -> the micro-batch each process uses."""
+    value_name = args.value_model_name_or_path or args.model_name_or_path
     check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
                         "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
                         "learning_rate", "value_learning_rate", "temperature"),
                  ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "num_sample_completions",
                   "micro_batch_size", "beta", "clip_high", "cliprange_value", "vf_coef", "entropy_coef",
                   "value_model_layers", "pause_at_step"),
-                 {args.model_name_or_path, args.value_model_name_or_path or args.model_name_or_path})  # each once
-    blocks = AutoConfig.from_pretrained(args.value_model_name_or_path or args.model_name_or_path).num_hidden_layers
+                 {args.model_name_or_path, value_name})  # each once
+    blocks = AutoConfig.from_pretrained(value_name).num_hidden_layers
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_process = args.prompts_per_step // world * args.num_generations
     works = max(d for d in range(1, args.num_mini_batches + 1) if per_process % d == 0)
@@ -881,43 +881,39 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
 
 @torch.no_grad()
 def sampler_copy(model):
-    """The model's bfloat16 copy for sampling, made on first use; each call overwrites its weights in place from the
-    model's (LoRA merged in), so the static cache's compiled CUDA graphs stay valid. Called under Run.whole: --fsdp's
-    weights are whole there, and each process holds a whole copy."""
+    """The model's bfloat16 copy (made once) with the model's weights written into it in place, LoRA merged: its
+    compiled CUDA graphs stay valid. Called under Run.whole, where --fsdp's weights are whole."""
     base = model.get_base_model() if hasattr(model, "peft_config") else model
-    if "bf16_copy" not in vars(base):  # an attribute, not a submodule: outside parameters() and state_dict()
+    if "bf16_copy" not in vars(base):  # not a submodule: outside parameters() and state_dict()
         with torch.device(base.device):
             vars(base)["bf16_copy"] = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=torch.bfloat16)
-        vars(base)["bf16_copy"].generation_config = base.generation_config
-    weights = dict(base.named_parameters())
-    lora = {n: m for n, m in base.named_modules() if hasattr(m, "get_delta_weight")}  # peft's LoRA layers
+    weights, lora = dict(base.named_parameters()), {n: m for n, m in base.named_modules() if hasattr(m, "lora_A")}
     for name, p in base.bf16_copy.named_parameters():
         owner, _, leaf = name.rpartition(".")
-        if owner not in lora:
+        m = lora.get(owner)
+        if m is None:
             p.copy_(weights[name])
-        elif leaf == "weight":
-            m = lora[owner]
-            p.copy_(weights[f"{owner}.base_layer.weight"] + m.get_delta_weight(m.active_adapters[0]))
         else:
-            p.copy_(weights[f"{owner}.base_layer.{leaf}"])
+            delta = m.get_delta_weight(m.active_adapters[0]) if leaf == "weight" else 0
+            p.copy_(weights[f"{owner}.base_layer.{leaf}"] + delta)
     return base.bf16_copy
 
 
 def generation_backend(args, device) -> str:
-    """--generation-backend auto: on CUDA, copy with --dtype auto (float32 weights), else static; shared on CPU."""
+    """--generation-backend auto: on CUDA copy (static with --dtype float32/bfloat16), on CPU shared."""
     if args.generation_backend != "auto":
         return args.generation_backend
     return "shared" if device.type != "cuda" else "copy" if args.dtype == "auto" else "static"
 
 
 def check_bf16_updates(run, model, lr: float) -> None:
-    """Warn when bfloat16 weights would drop most AdamW updates. Adam moves an entry by about lr a step; bfloat16
-    rounds w + lr back to w where lr is under half its spacing there (2^-8 of |w|): count those entries."""
+    """Warn if most bfloat16 weights w would not move by an AdamW step (about lr): where lr < 2^-8 |w|, w + lr
+    rounds back to w."""
     w = [p.detach() for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
     lost = sum(int(((p.float() + lr).to(p.dtype) == p).sum()) for p in w) / max(1, sum(p.numel() for p in w))
     if lost > 0.5:
-        run.say(f"warning: with --dtype bfloat16 an update of --learning-rate {lr:g} leaves {lost:.0%} of the weights "
-                f"as they were; --dtype auto trains float32 weights (on CUDA sampling with a bfloat16 copy)")
+        run.say(f"warning: --dtype bfloat16 at --learning-rate {lr:g} leaves {lost:.0%} of the weights unchanged by an "
+                f"update: --dtype auto trains float32 weights")
 
 
 class Forward(torch.nn.Module):

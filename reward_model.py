@@ -60,12 +60,12 @@ class Args:
     tie_strength: float = 0.0
     """Davidson's nu > 0: pairs whose column `tie` is true pull their scores together (0: Bradley-Terry)"""
     tie_start_step: int = 0
-    """the ties train only after this step (before it: the preferences alone)"""
+    """the ties train only after this step"""
     ranking_column: Optional[str] = None
-    """pairs with one value here come from one ranking of K (column `k`) responses: one batch element, each pair
-    weighted 1/C(K,2) (Eq. 1); --batch-size then counts rankings"""
+    """column of a pair's ranking of K (column `k`) responses: a ranking is one batch element (--batch-size counts
+    rankings), each pair weighted 1/C(K,2) (Eq. 1)"""
     comparisons: int = 0
-    """K >= 2: make the pairs (Sec. 3.5): K samples of --policy per prompt, ranked by --labeler (0: read pairs)"""
+    """K >= 2: make the pairs (Sec. 3.5) from K samples of --policy per prompt, ranked by --labeler (0: read pairs)"""
     comparison_rankings: bool = True
     """train --comparisons as rankings (Eq. 1); --no-comparison-rankings: as independent pairs"""
     comparison_prompts: int = 2000
@@ -213,14 +213,13 @@ def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: in
     pairs, dropped = [], 0
     for i, (c, r) in enumerate(zip(c_ids, r_ids)):
         if c == r:
-            raise ValueError(f"{what}, row {i}: chosen and rejected are the same text, which states no preference: "
-                             f"remove the row")
+            raise ValueError(f"{what}, row {i}: chosen and rejected are the same text (no preference): remove the row")
         if max(len(c), len(r)) > max_length:
             dropped += 1
             continue
         if tokenizer.pad_token_id in (c[-1], r[-1]):
-            raise ValueError(f"{what}, row {i}: a response ends in the pad token {tokenizer.pad_token!r}, where the "
-                             f"classifier would not read its score: strip it from the data")
+            raise ValueError(f"{what}, row {i}: a response ends in the pad token {tokenizer.pad_token!r}, which the "
+                             f"classifier skips: strip it")
         pairs.append((c, r, float(margins[i]) if margins else 0.0, bool(ties and ties[i])))
     if not pairs:
         raise ValueError(f"{what}: every pair is longer than --max-length {max_length} tokens: raise --max-length")
@@ -242,13 +241,13 @@ def tied_pairs(scores: list[float], texts: list) -> list[tuple]:
 
 
 def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_length: int, what: str, ties=None):
-    """Pairs that come from rankings (a ranking's id and its size K on every pair) -> ([(texts, [(better, worse, tie)],
-    1 / C(K,2))] one per ranking: its distinct texts prompt + response tokenised once, its pairs as indices into them,
-    the weight of each of its pairs in Eq. 1), pairs dropped as too long)."""
+    """Pairs tagged with their ranking's id and size K -> ([(texts, [(better, worse, tie)], 1 / C(K,2))] per ranking:
+    its distinct texts prompt + response tokenised once, its pairs as indices into them, each pair's weight in Eq. 1),
+    pairs dropped as too long)."""
     grouped = {}
     for i, (p, c, r, key, k) in enumerate(zip(prompts, chosen, rejected, keys, sizes)):
         if type(k) is not int or k < 2:
-            raise ValueError(f"{what}, row {i}: ranking size k={k!r}: it must be the number of responses ranked (>= 2)")
+            raise ValueError(f"{what}, row {i}: ranking size k={k!r}: must be the number of responses ranked (>= 2)")
         texts, pairs, size = grouped.setdefault(key, ({}, [], k))
         if k != size or len(pairs) == math.comb(k, 2):
             raise ValueError(f"{what}, row {i}: ranking {key!r} " + (f"says k={k} and k={size}" if k != size else
@@ -258,8 +257,8 @@ def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_len
     for texts, pairs, k in grouped.values():
         ids = tokenizer(list(texts))["input_ids"]
         if any(t and t[-1] == tokenizer.pad_token_id for t in ids):
-            raise ValueError(f"{what}: a response ends in the pad token {tokenizer.pad_token!r}, where the classifier "
-                             f"would not read its score: strip it from the data")
+            raise ValueError(f"{what}: a response ends in the pad token {tokenizer.pad_token!r}, which the classifier "
+                             f"skips: strip it")
         kept = [(a, b, tie) for a, b, tie in pairs if max(len(ids[a]), len(ids[b])) <= max_length]
         dropped += len(pairs) - len(kept)
         used = {t: n for n, t in enumerate(sorted({t for a, b, _ in kept for t in (a, b)}))}  # texts left in a pair
@@ -437,7 +436,7 @@ class PairScorer(torch.nn.Module):
         self.model, self.packed = model, packed
 
     def forward(self, ids, attention, position_ids=None, ends=None, flat: bool = False):
-        if not self.packed:  # [2B, T]: the B chosen then the B rejected texts (flat: any texts -> [N])
+        if not self.packed:  # [2B, T]: the B chosen then the B rejected texts
             scores = sequence_scores(self.model, ids, attention)
             return (scores if flat else scores.view(2, -1).T).clone()  # not views (FSDP2 hooks outputs)
         classifier = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
@@ -475,24 +474,22 @@ def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = F
 
 
 def load_preferences(args, tokenizer, flag: str, with_margin: bool, limit: Optional[int] = None):
-    """A split's first `limit` pairs, checked (`load_pairs`) and tokenised -> ([(chosen_ids, rejected_ids, margin,
-    tie)], pairs dropped as too long); of the training split with --ranking-column, its rankings
-    (`tokenize_rankings`). Rows of a column `tie` that is true are left out unless --tie-strength trains them."""
-    columns = [args.prompt_column, args.chosen_column, args.rejected_column]
-    columns += [args.margin_column] if with_margin and args.margin_column else []
-    columns += [args.ranking_column, "k"] if with_margin and args.ranking_column else []
+    """A split's first `limit` pairs, checked (`load_pairs`) and tokenised (`tokenize_pairs`; the training split with
+    --ranking-column: `tokenize_rankings`). Rows whose `tie` is true are left out unless --tie-strength trains them."""
+    margin = args.margin_column if with_margin else None
+    ranking = [args.ranking_column, "k"] if with_margin and args.ranking_column else []
     tie = ["tie"] * bool(with_margin and args.tie_strength)
-    ds = load_pairs(args, flag, columns + tie, args.margin_column if with_margin else None)
+    columns = [args.prompt_column, args.chosen_column, args.rejected_column, *[margin] * bool(margin), *ranking]
+    ds = load_pairs(args, flag, columns + tie, margin)
     if "tie" in ds.column_names and not tie:  # a tie states no preference (Bradley-Terry, held-out accuracy)
         ds = ds.filter(lambda row: not row["tie"])
     values, what = [list(ds[c])[:limit] for c in columns], f"split '{getattr(args, flag)}'"
     ties = list(ds["tie"])[:limit] if tie else None
     if ties and all(ties):
-        raise ValueError(f"{what}: every row is a tie (column `tie` true), which orders nothing: the reward model "
-                         f"needs preferences too (rows with tie false)")
-    if with_margin and args.ranking_column:
+        raise ValueError(f"{what}: every row is a tie (column `tie` true), which orders nothing: add untied rows")
+    if ranking:
         return tokenize_rankings(tokenizer, *values, args.max_length, what, ties)
-    return tokenize_pairs(tokenizer, *values[:3], values[3] if len(values) > 3 else None, args.max_length, what, ties)
+    return tokenize_pairs(tokenizer, *values[:3], values[3] if margin else None, args.max_length, what, ties)
 
 
 @torch.no_grad()
@@ -514,7 +511,7 @@ def policy_comparisons(args, tokenizer, ds, device, progress: bool, ties: bool) 
                                    enc.attention_mask.repeat_interleave(K, 0), gen)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         # texts the tokenizer makes one ("= 4" and "=4" here) are one text to the reward model: no pair of them
-        seen = [tuple(x) for x in tokenizer([prompts[i + k // K] + y for k, y in enumerate(texts)])["input_ids"]]
+        seen = tokenizer([prompts[i + k // K] + y for k, y in enumerate(texts)])["input_ids"]
         for j in range(len(enc.input_ids)):
             n, ys, seen_j = i + j, texts[j * K : (j + 1) * K], seen[j * K : (j + 1) * K]
             values = {c: v[n] for c, v in columns.items()}
@@ -544,8 +541,9 @@ def comparison_data(args, run, tokenizer):
             rows = policy_comparisons(args, tokenizer, splits[flag].take(limit), run.device, run.progress,
                                       ties=flag == "dataset_split" and args.tie_strength > 0)
             run.dir.mkdir(parents=True, exist_ok=True)
-            path.with_suffix(".tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            path.with_suffix(".tmp").rename(path)  # atomic: a killed run leaves no half-written file
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.rename(path)  # atomic: a killed run leaves no half-written file
             n_ties = sum(bool(r.get("tie")) for r in rows)
             run.say(f"{path}: {len(rows) - n_ties} pairs and {n_ties} ties from {len({r['ranking'] for r in rows})} "
                     f"prompts x {args.comparisons} samples of {args.policy or args.model_name_or_path}")
@@ -600,7 +598,7 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
         chosen, rejected, scores = chosen.detach()[~ties], rejected.detach()[~ties], scores.detach()  # ties: no order
         stats = (loss.item(), (chosen > rejected).sum(), (chosen - rejected).sum(), scores.sum(), len(chosen),
                  scores.numel())
-        for key, value in zip(sums, stats):  # loss, correct, margin, reward, pairs, texts
+        for key, value in zip(sums, stats):
             sums[key] += float(value)
     grad_norm = torch.nn.utils.clip_grad_norm_(scorer.parameters(), args.max_grad_norm)
     optimizer.step()
@@ -724,7 +722,7 @@ def main(args: Args) -> dict:
             # 4b. Score chosen and rejected in one pass and take a step on the loss of Eq. 1, its mean over the batch.
             sums, grad_norm = preference_update(scorer, optimizer, mine, micro, args, pad_id, world, device, autocast,
                                                 rankings, args.tie_strength * ties)
-            lr = scheduler.get_last_lr()[0]  # the rate of this step's update (logged below)
+            lr = scheduler.get_last_lr()[0]  # the rate of this step's update
             scheduler.step()
             tokens += sum(sum(map(len, x[0])) if rankings else len(x[0]) + len(x[1]) for x in mine)  # the texts' tokens
             seconds += time.perf_counter() - t_step
@@ -789,8 +787,8 @@ def check_args(args: Args) -> int:
                 "its pairs have no margin and are ranked by prompt: drop --margin-column and --ranking-column"))
         make_reward(args.labeler)  # a bad spec fails here
     elif not args.comparison_rankings:
-        raise ValueError("--no-comparison-rankings: there are no --comparisons to train as pairs (a pairs file is "
-                         "trained as pairs unless --ranking-column is set)")
+        raise ValueError("--no-comparison-rankings: there are no --comparisons to train as pairs (a pairs file "
+                         "trains as pairs without --ranking-column)")
     elif args.ranking_column and args.margin_column:
         raise ValueError("--ranking-column with --margin-column: a ranking's pairs carry no margin; drop one of them")
     return micro
