@@ -364,6 +364,13 @@ SEED_STYLE_SPEC = {"REWARD": {"type": "weighted_sum", "components": [
     "postprocess": [{"type": "ema_normalize", "decay": 0.9}]}}
 
 
+def test_the_bfloat16_sampler_copy_samples_for_the_float32_policy(tiny, tmp_path):
+    """--generation-backend copy (the CUDA default): the sampler's log-probs differ
+    from the float32 trainer's by bfloat16 rounding, inside the start check's tolerance (float32 sampling: 1e-7)."""
+    out = hybrid.main(tiny_args(tiny, tmp_path, total_steps=4, eval_split=None, generation_backend="copy"))
+    assert 1e-4 < out["train/sampler_gap"] < 0.25 and out["step"] == 4
+
+
 def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
     """Both kinds of step, the specification's JSON reward form (its `target`: the demonstrations, joined on the
     prompt), the run directory, final/ loadable with AutoModelForCausalLM and the value head beside it."""

@@ -196,9 +196,11 @@ def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny,
     """torchrun on CPU (gloo, 2 processes): --fsdp takes the same 3 steps as DDP to float tolerance (both average the
     gradients of the same rows); resumed from step 2's sharded checkpoint, step 3 again, so each process's data order
     and RNGs come back; final/ is one safetensors model, DDP's. (A DDP resume loads whole weights, as a single
-    process's does: test_resume_equals_straight_run.)"""
+    process's does: test_resume_equals_straight_run.) grpo and hybrid sample with the bfloat16 copy, which --fsdp
+    refreshes from its whole weights."""
+    copy = {"generation_backend": "copy"} if script in ("grpo", "hybrid") else {}
     for parallel in ("ddp", "fsdp"):
-        flags = cli(script, tiny, tmp_path / parallel, total_steps=3, eval_split=None, save_every=2)[2:]
+        flags = cli(script, tiny, tmp_path / parallel, total_steps=3, eval_split=None, save_every=2, **copy)[2:]
         out = run_torchrun(f"{script}.py", *flags, *(["--fsdp"] if parallel == "fsdp" else []))
         assert f"2 processes, {'FSDP2' if parallel == 'fsdp' else 'DDP'}" in out
         assert "returned a view tensor" not in out  # FSDP2 warns of outputs that an in-place op could detach

@@ -149,6 +149,13 @@ def test_compute_advantages_kl_is_of_pi_old_from_the_reference():
 # ----------------------------------------------------------------------------- runs
 
 
+def test_the_bfloat16_sampler_copy_samples_for_the_float32_policy(tiny, tmp_path):
+    """--generation-backend copy (the CUDA default) with LoRA merged into it: the sampler's log-probs differ
+    from the float32 trainer's by bfloat16 rounding, inside the start check's tolerance (float32 sampling: 1e-7)."""
+    out = ppo.main(tiny_args(tiny, tmp_path, total_steps=2, eval_split=None, generation_backend="copy", lora_r=4))
+    assert 1e-4 < out["train/sampler_gap"] < 0.25 and out["step"] == 2
+
+
 def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
     out = ppo.main(tiny_args(tiny, tmp_path / "runs", total_steps=3, save_every=2, micro_batch_size=1, track=True,
                              kl_controller="adaptive", kl_target=1e-6, kl_horizon=4, missing_eos_penalty=1.0,
