@@ -636,8 +636,8 @@ def check_args(args: Args) -> int:
         raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")
     return micro
 
-# ---- plumbing: input checks, run directory, resume, metrics, W&B, progress, Ctrl-C, checkpoints, torchrun.
-# A reader need not modify it. A function here with the same name in another script is the same text there.
+# ---- plumbing: checks, run directory, resume, metrics, W&B, Ctrl-C, checkpoints, torchrun.
+# A reader need not modify it; a function here is the same text in every script that has it.
 
 
 def answer_matches(text: str, answer) -> bool:
@@ -651,7 +651,7 @@ def answer_matches(text: str, answer) -> bool:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids, progress=False, batch_size=128):
+def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids, progress, batch_size=128):
     """Greedy decoding on left-padded batches -> (accuracy, [(prompt, completion, answer)])."""
     model.eval()
     samples = []
@@ -667,8 +667,7 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids,
 
 
 def lm_head(model, dtype: torch.dtype) -> dict:
-    """The head as kernels.linear_token_logprobs takes it: weight, bias, logit scale (Cohere; Granite divides) and
-    soft-capping (Gemma 2, 3)."""
+    """The head as linear_token_logprobs takes it (logit scale: Cohere, Granite divides; softcap: Gemma 2, 3)."""
     head, config = model.get_output_embeddings(), model.config
     bias = getattr(head, "bias", None)
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
@@ -687,12 +686,12 @@ class Forward(torch.nn.Module):
         return self.fn(self.module, *args, **kwargs)
 
 
-CHECKPOINT_GENERATION_CONFIG = {}  # the policy checkpoint's own generation_config (own_generation_config)
+CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, which final/ keeps
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Keep only the special tokens of the checkpoint's generation_config, naming the fields dropped (generate fills
-    unset fields from it, e.g. a repetition_penalty, and would not sample softmax(logits / T)) -> the EOS ids."""
+    """Keep only the special tokens of the checkpoint's generation_config (generate fills unset fields from it, e.g.
+    a repetition_penalty, and would not sample softmax(logits / T)) -> the EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -700,7 +699,7 @@ def own_generation_config(model, tokenizer) -> list[int]:
     dropped = [f"{k}={v}" for k, v in old.to_diff_dict().items() if k not in kept]
     model.generation_config = type(old)(bos_token_id=old.bos_token_id, eos_token_id=eos,
                                         pad_token_id=tokenizer.pad_token_id)
-    CHECKPOINT_GENERATION_CONFIG["policy"] = old  # what save_pretrained writes: final/ keeps the checkpoint's own
+    CHECKPOINT_GENERATION_CONFIG["policy"] = old
     if dropped and int(os.environ.get("RANK", 0)) == 0:
         print(f"{model.name_or_path}: its generation_config's {', '.join(dropped)} not used: the flags decide")
     return eos
@@ -708,58 +707,52 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
     """The split --<flag> names (a folder's <split>.jsonl, a hub split; one file: a seeded 10% for eval, the rest for
-    training) with `columns`; bad data: one line naming the file and line."""
-    split, path, option = getattr(args, flag), Path(args.dataset).expanduser(), "--" + flag.replace("_", "-")
+    training), with `columns`."""
+    split, path = getattr(args, flag), Path(args.dataset).expanduser()
     file = path / f"{split}.jsonl" if path.is_dir() else path
-    splits = {f: getattr(args, f) for f in vars(args) if f.endswith("_split") and getattr(args, f)}
+    skip = f", or skip this split with --{flag.replace('_', '-')} None" if "eval" in flag else ""
+    splits = {f: s for f, s in vars(args).items() if f.endswith("_split") and s}
     have = sorted(f.stem for f in path.glob("*.jsonl")) if path.is_dir() else []
     missing = {f: s for f, s in splits.items() if path.is_dir() and s not in have}
     if missing:
         fixes = [f"--{f.replace('_', '-')} {'None' if 'eval' in f else '|'.join(have) or '<split>'}" for f in missing]
         raise ValueError(f"split not found: {path} has no {', '.join(s + '.jsonl' for s in missing.values())} (its "
-                         f"splits: {', '.join(have) or 'none'}): pass {' '.join(fixes)} (None skips an eval split)")
+                         f"splits: {', '.join(have) or 'none'}): pass {' '.join(fixes)}")
     if path.exists():
-        rows = json_lines(file, option)
+        rows = []
+        for i, line in enumerate(file.read_text().splitlines(), 1):
+            try:
+                rows += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}") from None
+            if rows and not isinstance(rows[-1], dict):
+                raise ValueError(f"{file}, line {i}: expected a JSON object, got {type(rows[-1]).__name__}{skip}")
+        if not rows:
+            raise ValueError(f"{file} is empty: it needs at least one JSON line")
         ds = Dataset.from_dict({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
     else:
         check_local_or_hub("dataset", args.dataset)
         try:
             ds = load_dataset(args.dataset, split=split)
-        except Exception as e:  # e.g. offline: the loader's own error, in one line
+        except Exception as e:  # e.g. offline: its own error, in one line
             raise ValueError(f"dataset '{args.dataset}': {e}") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
-                         f"{column_flags}" + (f", or skip this split with {option} None)" if "eval" in flag else ")"))
+                         f"{column_flags}{skip})")
     if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
-            raise ValueError(f"{path} has 1 row: too few to hold one out for evaluation; pass --eval-split None")
+            raise ValueError(f"{path} has 1 row: none to hold out for evaluation; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
         if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
             print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
-                  f"for evaluation (a folder of <split>.jsonl files names its splits)")
+                  f"for evaluation")
         ds = parts["test" if "eval" in flag else "train"]
     return ds
 
 
-def json_lines(file: Path, option: str) -> list[dict]:
-    """The rows of a JSON-lines file; the first bad line: one line naming the file and line."""
-    rows, skip = [], f" (or skip this split: {option} None)" if "eval" in option else ""
-    for i, line in enumerate(file.read_text().splitlines(), 1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}") from None
-        if rows and not isinstance(rows[-1], dict):
-            raise ValueError(f"{file}, line {i}: expected a JSON object with named columns, got "
-                             f"{type(rows[-1]).__name__}{skip}")
-    if not rows:
-        raise ValueError(f"{file} is empty: it needs at least one JSON line")
-    return rows
-
-
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hugging Face Hub, or offline a model in its cache."""
+    """True for a local path; a hub id must be on the Hub (offline: a model in the cache)."""
     if Path(name).expanduser().exists():
         return True
     hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
@@ -768,14 +761,14 @@ def check_local_or_hub(kind: str, name: str) -> bool:
         raise ValueError(f"{kind} '{name}' does not exist: pass {hint}")
     from huggingface_hub import repo_exists, snapshot_download
 
-    get = (f"`hf download {name}`, then pass the folder it prints" if kind == "model" else "save its splits as "
-           "<split>.jsonl files and pass their folder")
+    get = (f"`hf download {name}`, then pass the folder it prints" if kind == "model" else
+           "pass a folder of <split>.jsonl files")
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
         if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
             snapshot_download(name, local_files_only=True)
         found = offline or repo_exists(name, repo_type=kind)
-    except Exception as e:  # not cached; no network, a proxy: say so now rather than after retries
+    except Exception as e:  # not cached, no network, a proxy: say so now, not after retries
         raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
                          f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
                          "cache holds it, or ") + get) from None
@@ -784,43 +777,37 @@ def check_local_or_hub(kind: str, name: str) -> bool:
     return False
 
 
-def check_common(args, positive: tuple[str, ...], non_negative: tuple[str, ...], model_paths: tuple[str, ...]):
+def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders and --fsdp, before any work."""
     for name in positive + non_negative + ("save_every_minutes",):
-        low = name in positive and getattr(args, name) <= 0
-        if low or getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be {'positive' if low else '>= 0'}, "
-                             f"got {getattr(args, name)}")
+        value, strict = getattr(args, name), name in positive
+        if value < 0 or strict and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be {'positive' if strict else '>= 0'}, got {value}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         raise ValueError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}, but torch sees no CUDA GPU here: use --device cpu (or auto)")
+        raise ValueError(f"--device {args.device}: torch sees no CUDA GPU; use --device cpu or auto")
     for name in model_paths:
-        path = Path(name).expanduser()
-        if check_local_or_hub("model", name) and not (path / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json (save_pretrained writes one)")
-    if getattr(args, "run_dir", None) and not args.resume and Path(args.run_dir).exists():
+        if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
+            raise ValueError(f"'{name}' is not a model folder: it has no config.json")
+    if args.run_dir and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
-    if getattr(args, "warmup_steps", 0) >= args.total_steps:  # the learning rate would never leave its warmup
+    if args.warmup_steps >= args.total_steps:  # else the learning rate never leaves warmup
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
-    if getattr(args, "fsdp", False):
-        check_fsdp(args)
-
-
-def check_fsdp(args) -> None:
-    """--fsdp: under torchrun, no LoRA, and decoder layers to shard (looked for on a weightless copy)."""
+    if not args.fsdp:
+        return
     from transformers import AutoConfig, AutoModel
 
     if "LOCAL_RANK" not in os.environ:
-        raise ValueError("--fsdp shards the model over processes: launch with torchrun --nproc-per-node N, or drop it")
+        raise ValueError("--fsdp needs several processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
         raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
         raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     config = AutoConfig.from_pretrained(getattr(args, "model_config", None) or args.model_name_or_path)
-    with torch.device("meta"):
+    with torch.device("meta"):  # a weightless copy, to find the decoder layers
         decoder_layers(AutoModel.from_config(config))
 
 
@@ -828,13 +815,13 @@ def decoder_layers(model) -> list:
     """The blocks FSDP2 shards one by one: the longest ModuleList of one block class (model.layers, h, ...)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
     if not lists:
-        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__} (a torch.nn.ModuleList of "
-                         f"one block class, e.g. model.layers): drop --fsdp and use DDP for this model")
+        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__} (a ModuleList of one "
+                         f"block class): use DDP (drop --fsdp)")
     return list(max(lists, key=len))
 
 
-def check_context(config, prompt_ids: list, new_tokens: int, flag: str) -> None:
-    """Before the model loads: the longest prompt and the tokens generated after it fit the model's positions."""
+def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
+    """Before the model loads: the longest prompt plus the generated tokens fit the model's positions."""
     context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
     if context and longest + new_tokens > context:
         raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
@@ -854,46 +841,45 @@ def resume_args(args, may_change: tuple[str, ...]):
     """--resume: the run's own args; flags given here apply if in `may_change`, else are refused. -> (args, changes)"""
     if not args.resume:
         return args, {}
-    if not (Path(args.resume) / "trainer_state.pt").exists():
-        found = sorted(Path(args.resume).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
+    resume = Path(args.resume)
+    if not (resume / "trainer_state.pt").exists():
+        found = sorted(resume.glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
         where = f"one of this run's checkpoints: {', '.join(map(str, found))}" if found else "<run>/checkpoints/step_N"
         raise ValueError(f"--resume {args.resume}: no trainer_state.pt there; pass {where}")
-    cls, saved = type(args), json.loads((Path(args.resume) / "args.json").read_text())
-    defaults, changed = cls(), {}
-    fields = cls.__dataclass_fields__
+    cls, saved = type(args), json.loads((resume / "args.json").read_text())
+    defaults, changed, fields = cls(), {}, cls.__dataclass_fields__
     out = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})  # JSON: no tuples
     for name in fields:
         given = getattr(args, name)
-        if name in ("exp_name", "output_dir", "run_dir", "run_name", "resume") or given in (getattr(defaults, name),
-                                                                                  getattr(out, name)):
+        if name in ("exp_name", "output_dir", "run_dir", "run_name", "resume") or given in (
+                getattr(defaults, name), getattr(out, name)):
             continue
         if name not in may_change:
-            raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} "
-                             f"({args.resume}/args.json) and cannot change on resume; drop the flag, or start a new "
-                             f"run. Flags that may change: {', '.join('--' + n.replace('_', '-') for n in may_change)}")
+            raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} and "
+                             f"cannot change on resume (drop it, or start a new run); these may: "
+                             f"{', '.join('--' + n.replace('_', '-') for n in may_change)}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
-    step = torch.load(Path(args.resume) / "trainer_state.pt", weights_only=False, mmap=True)["step"]
+    step = torch.load(resume / "trainer_state.pt", weights_only=False, mmap=True)["step"]
     if step >= out.total_steps:
         raise ValueError(f"--resume {args.resume}: the run ended here (--total-steps {out.total_steps}); to train on, "
                          f"pass a larger --total-steps")
     return out, changed
 
 
-def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, weights: Optional[dict] = None,
-                    sharded: Optional[Path] = None) -> None:
+def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, sharded=None):
     """A temporary folder, then renamed: a killed run never leaves half a checkpoint (--fsdp: `weights` gathered,
     `sharded` moved in)."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+    model.save_pretrained(tmp, state_dict=weights)
     if (tmp / "generation_config.json").exists() and "policy" in CHECKPOINT_GENERATION_CONFIG:
         CHECKPOINT_GENERATION_CONFIG["policy"].save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if sharded is not None:
+    if sharded:
         os.replace(sharded, tmp / "sharded")
-    if state is not None:
+    if state:
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / "args.json").write_text(json.dumps(state["args"], indent=2))
     if path.exists():
@@ -903,8 +889,7 @@ def save_pretrained(path: Path, model, tokenizer, state: Optional[dict] = None, 
 
 
 class Run:
-    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run directory (removed if the
-    run fails before its first step ends), W&B, signals; the cadence, progress and summary."""
+    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run directory, W&B, signals."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()
@@ -918,7 +903,7 @@ class Run:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
         cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
-        self.fsdp, self.sharded, self.trained = getattr(args, "fsdp", False), [], None  # trained: (root, optimizer)
+        self.fsdp, self.sharded, self.trained = args.fsdp, [], None  # trained: (root, optimizer)
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -932,15 +917,15 @@ class Run:
         self.start = self.step = self.steps_done = 0
         self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
         self.signal, self.saved_at = 0, time.time()
-        self.progress = self.rank == 0 and sys.stderr.isatty()  # a progress bar on a terminal, lines otherwise
+        self.progress = self.rank == 0 and sys.stderr.isatty()
 
-    def restore(self, model, optimizer, scheduler) -> dict:
+    def restore(self, model, optimizer, scheduler):
         """--resume: weights (shards, LoRA or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
         self.trained[0].train()  # from_pretrained leaves eval mode (no gradient checkpointing)
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
-        if self.fsdp:  # each process reads its own shards of the weights and the optimizer states
+        if self.fsdp:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -953,8 +938,7 @@ class Run:
 
             set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(self.device)))
         else:
-            dtype = next(model.parameters()).dtype
-            model.load_state_dict(type(model).from_pretrained(path, dtype=dtype).state_dict())
+            model.load_state_dict(type(model).from_pretrained(path, dtype=next(model.parameters()).dtype).state_dict())
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         state.update({k: v[self.rank].clone() for k, v in state.pop("per_rank").items()})
         random.setstate(state["python_rng"])
@@ -967,15 +951,14 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); on CUDA bfloat16
-        compute, float32 reduction."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy()
         if self.device.type == "cuda":
-            mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         self.sharded.append(fully_shard(module, mesh=mesh, mp_policy=mp))
@@ -984,8 +967,8 @@ class Run:
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: the trained model's whole weights inside, so that sampling and evaluation need no collective per
-        decode step (processes may take different numbers of them)."""
+        """--fsdp: whole weights inside, so that sampling and evaluation need no collective per decode step
+        (processes may take different numbers of them)."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -999,7 +982,7 @@ class Run:
                 unit.reshard()
                 unit.set_reshard_after_forward(True, recurse=False)
 
-    def full_weights(self, model) -> Optional[dict]:
+    def full_weights(self, model):
         """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -1013,7 +996,7 @@ class Run:
             whole[k] = whole[first.setdefault(id(v), k)]
         return whole
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
+    def gather(self, x):
         """[n, ...] on each process -> [world * n, ...] in rank order."""
         if not self.ddp:
             return x
@@ -1028,7 +1011,7 @@ class Run:
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
-        if self.fsdp:  # every process writes its shards (DCP: weights, optimizer states); rank 0 moves them in below
+        if self.fsdp:  # each process writes its shards; rank 0 moves them in
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -1040,11 +1023,11 @@ class Run:
         self.barrier()
         return path
 
-    def barrier(self) -> None:
+    def barrier(self):
         if self.ddp:
             dist.barrier()
 
-    def log(self, metrics: dict, table: Optional[tuple[str, list, list]] = None) -> None:
+    def log(self, metrics: dict, table=None):
         """A row of metrics.jsonl and W&B (`table`: key, columns, rows), with perf/peak_gb on CUDA."""
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
@@ -1057,7 +1040,7 @@ class Run:
             extra = {table[0]: self.wandb.Table(columns=table[1], data=table[2])} if table and table[2] else {}
             self.wandb.log({**metrics, **extra}, step=metrics["step"])
 
-    def say(self, text: str) -> None:
+    def say(self, text: str):
         if self.rank == 0:
             tqdm.write(text) if self.progress else print(text, flush=True)
 
@@ -1066,8 +1049,8 @@ class Run:
         with self.whole():
             metrics, samples = measure() if self.rank == 0 else ({}, [])
         if metrics:
-            self.log({"step": self.step, **metrics}, ("eval/samples", ["prompt", "completion", "answer"],
-                                                      [list(s) for s in samples[:16]]))
+            table = ("eval/samples", ["prompt", "completion", "answer"], [list(s) for s in samples[:16]])
+            self.log({"step": self.step, **metrics}, table)
             self.say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         self.barrier()
         return metrics
@@ -1080,11 +1063,11 @@ class Run:
             rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
             rows = [r for r in rows if r["step"] <= self.start]
             (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the summary's start values and the progress line's last eval are the run's own
+            for row in rows:  # the summary's start values and the progress line's last eval: the run's own
                 self.first, self.last = {**row, **self.first}, {**self.last, **row}
             saved = json.loads((self.dir / "args.json").read_text())
-            saved.setdefault("resumed", []).append({"step": self.start, "checkpoint": args.resume,
-                                                    "overrides": self.overrides})
+            resumed = {"step": self.start, "checkpoint": args.resume, "overrides": self.overrides}
+            saved.setdefault("resumed", []).append(resumed)
             (self.dir / "args.json").write_text(json.dumps(saved, indent=2))
             print(f"resumed from step {self.start} of {args.total_steps} ({args.resume})" + "".join(
                 f"; --{k.replace('_', '-')} {new} (the run had {old})" for k, (old, new) in self.overrides.items()))
@@ -1113,37 +1096,36 @@ class Run:
         if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
-    def steps(self, measure: Callable[[], tuple[dict, list]], save: Callable[[], Path]):
-        """Steps start+1 .. --total-steps; evaluations, checkpoints by --save-every(-minutes), and after a Ctrl-C or
-        SIGTERM a checkpoint and the end."""
-        if self.args.track and self.rank == 0:  # (a failure, e.g. no login: __exit__ removes a new run dir)
+    def steps(self, measure, save):
+        """Steps start+1 .. --total-steps with evaluations and checkpoints; a Ctrl-C or SIGTERM saves and ends."""
+        args = self.args
+        if args.track and self.rank == 0:  # (a failure, e.g. no login: __exit__ removes a new run dir)
             import wandb
 
-            args = self.args
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
                        config=vars(args), dir=str(self.dir), resume="allow")
             self.wandb = wandb
         if self.start == 0:
             self.evaluate(measure)
-        for step in range(self.start + 1, self.args.total_steps + 1):
+        for step in range(self.start + 1, args.total_steps + 1):
             self.step, t0 = step, time.perf_counter()
             yield step
             self.steps_done += 1
             self.seconds += time.perf_counter() - t0
             self.report()
-            if self.args.eval_every and self.step % self.args.eval_every == 0 and self.step != self.args.total_steps:
+            if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
                 self.evaluate(measure)
-            minutes = time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
+            minutes = time.time() - self.saved_at > 60 * args.save_every_minutes > 0
             flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
             if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
                 dist.all_reduce(flags, dist.ReduceOp.MAX)  # (a signal during it counts at the next step)
             self.stop, minutes = int(flags[0]), bool(flags[1])
-            if self.stop or minutes or self.args.save_every and self.step % self.args.save_every == 0:
+            if self.stop or minutes or args.save_every and step % args.save_every == 0:
                 save()
             if self.stop:
                 return
 
-    def report(self) -> None:
+    def report(self):
         """The key numbers on the progress bar (a terminal), or every --log-every steps as a line."""
         per_step = self.seconds / self.steps_done
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
@@ -1159,7 +1141,7 @@ class Run:
         if not self.stop:
             final.update(self.evaluate(measure))
             save()
-            if self.rank == 0 or self.fsdp:  # (--fsdp: every process takes part in gathering the weights)
+            if self.rank == 0 or self.fsdp:  # (--fsdp: all processes gather)
                 model = model if isinstance(model, torch.nn.Module) else model()
                 weights = self.full_weights(model)
             if self.rank == 0:

@@ -431,7 +431,7 @@ def test_sampler_copy_decodes_greedily_as_float32_except_at_near_ties(embedded):
 def test_generation_backend_auto_picks_copy_on_cuda_and_shared_on_cpu():
     pick = lambda backend, dtype, device: grpo.generation_backend(  # noqa: E731
         SimpleNamespace(generation_backend=backend, dtype=dtype), torch.device(device))
-    assert [pick("auto", d, "cuda") for d in ("auto", "float32", "bfloat16")] == ["copy", "static", "static"]
+    assert [pick("auto", d, "cuda") for d in ("auto", "float32", "bfloat16")] == ["copy", "shared", "static"]
     assert [pick("auto", d, "cpu") for d in ("auto", "float32", "bfloat16")] == ["shared"] * 3
     assert pick("copy", "auto", "cpu") == "copy" and pick("shared", "auto", "cuda") == "shared"
 
