@@ -759,9 +759,10 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
 
 
 @torch.no_grad()
+@torch.autocast("cuda", enabled=False)  # LoRA's B A in float32
 def sampler_copy(model):
-    """The model's bfloat16 copy (made once) with the model's weights written into it in place, LoRA merged: its
-    compiled CUDA graphs stay valid. Called under Run.whole, where --fsdp's weights are whole."""
+    """The model's bfloat16 copy (made once), the weights written over in place, LoRA merged, so compiled CUDA
+    graphs stay valid. Called in Run.whole (--fsdp: whole weights)."""
     base = model.get_base_model() if hasattr(model, "peft_config") else model
     if "bf16_copy" not in vars(base):  # not a submodule: outside parameters() and state_dict()
         cuda = [base.device] if base.device.type == "cuda" else []

@@ -190,7 +190,7 @@ def one(args: Args) -> dict:
     n = min(args.eval_limit, len(test))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     acc = dpo.greedy_accuracy(model.float().to(device), tokenizer, list(test["prompt"][:n]), list(test["answer"][:n]),
-                              MAX_NEW_TOKENS, [tokenizer.eos_token_id])[0]
+                              MAX_NEW_TOKENS, [tokenizer.eos_token_id], False)[0]
     return {"s/step": statistics.median(times), "peak_mb": memory.mb, "acc": acc, "steps": len(times)}
 
 

@@ -10,7 +10,7 @@ no download) with the embedded tokenizer; a random model samples ids the tokeniz
 to nothing, so the reward is mostly 0: this measures speed, not learning. The script's default work (grpo.py: 64
 prompts x G = 8 completions of up to 40 tokens) under each setting. The table gives the medians of the script's own
 `perf/*_s` (sampling, training, whole step) over the steps after the first (the first compiles and captures), the
-sampling share of the step, the mean |sampler - trainer| log-prob of the completion tokens (`train/sampler_gap`) and
+sampling share of the step (hybrid.py: its PPO steps only), the mean |sampler - trainer| log-prob of the completion tokens (`train/sampler_gap`) and
 torch.cuda.max_memory_allocated.
 """
 import importlib
@@ -76,7 +76,7 @@ def main(script: str = "grpo", steps: int = 6, names: tuple[str, ...] = ("defaul
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.update({k: v})
         rows = [json.loads(line) for line in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "perf/step_s" in r][1:]
+        rows = [r for r in rows if "perf/step_s" in r and not r.get("train/is_sft_step")][1:]  # hybrid: PPO steps
         med = {k: statistics.median([r[k] for r in rows if k in r] or [float("nan")]) for k in (
             "perf/generate_s", "perf/train_s", "perf/step_s", "train/sampler_gap")}
         print(f"| {name} | {med['perf/generate_s']:.3f} | {med['perf/train_s']:.3f} | {med['perf/step_s']:.3f} | "

@@ -3,7 +3,7 @@
     python benchmarks/grpo_vs_trl.py                 # 10 steps each
     python benchmarks/grpo_vs_trl.py --steps 30 --order grpo-first
     python benchmarks/grpo_vs_trl.py --model MODEL --eval-limit 0   # on a CUDA machine: bf16 autocast for both
-    python benchmarks/grpo_vs_trl.py --model MODEL --eval-limit 0 --dtype bfloat16 --backends shared static
+    python benchmarks/grpo_vs_trl.py --model MODEL --eval-limit 0 --trl-dtype bfloat16 --backends auto shared
 
 On a GPU both trainers run with bfloat16 autocast over float32 weights (TRL's bf16=True, grpo.py's default);
 --dtype bfloat16 loads both in bfloat16 instead (TRL's model, and grpo.py --dtype bfloat16: AdamW on bfloat16
@@ -153,7 +153,7 @@ def main(args: Args) -> list[dict]:
         if not prompts:
             return float("nan")
         return grpo.greedy_accuracy(model.float().to(device), tokenizer, prompts, answers, MAX_NEW_TOKENS,
-                                    [tokenizer.eos_token_id])[0]
+                                    [tokenizer.eos_token_id], False)[0]
 
     start = accuracy(AutoModelForCausalLM.from_pretrained(args.model))
     results = {}
