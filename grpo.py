@@ -810,16 +810,16 @@ class Forward(torch.nn.Module):
 
 def sampler_gap(run, gap_sum, tokens) -> float:
     """The mean |sampler - trainer| log-prob of the completion tokens over all processes; a first-batch gap beyond
-    float rounding stops the run: the update would be off-policy."""
-    exact = generation_backend(run.args, run.device) != "copy" and (
-        run.args.dtype == "float32" or (run.args.dtype == "auto" and run.device.type != "cuda"))
+    float rounding (bf16's: also --fsdp on CUDA) stops the run: the update would be off-policy."""
+    a = run.args
+    exact = generation_backend(a, run.device) != "copy" and a.dtype != "bfloat16" and (
+        run.device.type != "cuda" or a.dtype == "float32" and not run.fsdp)
     total = run.gather(torch.tensor([[float(gap_sum), float(tokens)]], device=run.device)).sum(0)
     gap = float(total[0] / total[1].clamp(min=1))
     tolerance = 1e-3 if exact else 0.25
     if not getattr(run, "sampler_checked", False) and gap > tolerance:
         raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
-                         f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature) (a logits "
-                         f"processor, custom generate or cache?)")
+                         f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature)")
     run.sampler_checked = True
     return gap
 

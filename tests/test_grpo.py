@@ -436,6 +436,26 @@ def test_generation_backend_auto_picks_copy_on_cuda_and_shared_on_cpu():
     assert pick("copy", "auto", "cpu") == "copy" and pick("shared", "auto", "cuda") == "shared"
 
 
+def test_the_sampler_check_takes_bf16s_tolerance_wherever_bf16_computes(monkeypatch):
+    """Its 1e-3 holds only where sampler and trainer are float32 throughout: CPU, or CUDA with --dtype float32 and no
+    --fsdp (FSDP's CUDA policy computes in bf16); a first-batch gap of 0.01 passes everywhere else (0.25)."""
+    tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda data, device=None: tensor(data))  # no CUDA tensors on this machine
+
+    def stops(device: str, dtype: str, fsdp: bool = False, backend: str = "auto") -> bool:
+        run = SimpleNamespace(args=SimpleNamespace(dtype=dtype, generation_backend=backend), fsdp=fsdp,
+                              device=torch.device(device), gather=lambda x: x)
+        try:
+            grpo.sampler_gap(run, 0.01, 1)
+        except ValueError as e:
+            return "the sampler and the trainer disagree" in str(e)
+        return False
+
+    assert stops("cpu", "auto") and stops("cpu", "float32") and stops("cuda", "float32")
+    assert not any([stops("cpu", "auto", backend="copy"), stops("cpu", "bfloat16"), stops("cuda", "auto"),
+                    stops("cuda", "float32", fsdp=True), stops("cuda", "float32", backend="copy")])
+
+
 @pytest.mark.parametrize("lr,warns", [(1e-6, True), (1e-4, False)])
 def test_bf16_weights_warning_predicts_the_updates_adamw_loses(lr, warns):
     """The warning's count (entries where bfloat16(w + lr) == w) is the share of entries one AdamW step of size lr
