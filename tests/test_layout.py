@@ -11,10 +11,10 @@ SCRIPTS = ["grpo", "ppo", "dpo", "hybrid", "reward_model", "sft", "capacity_ppo"
 # (file bytes, bytes above the `# ---- plumbing` line, lines of main()). A ratchet: lower a number when a change
 # makes the script smaller; never raise one. A feature that needs bytes takes them from elsewhere in the same file.
 BUDGETS = {
-    "grpo": (75_608, 38_671, 110),
-    "ppo": (83_271, 46_334, 120),
+    "grpo": (75_576, 38_671, 110),
+    "ppo": (83_239, 46_334, 120),
     "dpo": (67_744, 36_733, 100),
-    "hybrid": (95_269, 58_332, 130),
+    "hybrid": (95_237, 58_332, 130),
     "reward_model": (78_121, 47_281, 110),
     "sft": (45_784, 16_270, 80),
     "capacity_ppo": (36_082, 23_994, 60),
