@@ -616,8 +616,8 @@ def main(args: Args) -> dict:
 def check_args(args: Args) -> int:
     """Every check of the flags before any work -> the micro-batch (pairs) each process uses."""
     positive = ("total_steps", "batch_size", "max_completion_length", "max_prompt_length", "log_every", "learning_rate",
-                "beta")
-    check_common(args, positive, ("eval_every", "save_every", "warmup_steps", "eval_limit", "pref_eval_limit", "lora_r",
+                "beta", "eval_limit")
+    check_common(args, positive, ("eval_every", "save_every", "warmup_steps", "pref_eval_limit", "lora_r",
                                   "micro_batch_size", "rpo_alpha", "simpo_gamma"), (args.model_name_or_path,))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
@@ -636,8 +636,7 @@ def check_args(args: Args) -> int:
         raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")
     return micro
 
-# ---- plumbing: checks, run directory, resume, metrics, W&B, Ctrl-C, checkpoints, torchrun.
-# A reader need not modify it; a function here is the same text in every script that has it.
+# ---- plumbing, need not be modified (a name is one text in all scripts): checks, run, resume, W&B, Ctrl-C, torchrun.
 
 
 def answer_matches(text: str, answer) -> bool:
@@ -656,12 +655,12 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids,
     model.eval()
     samples = []
     for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
-        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, padding_side="left",
-                        add_special_tokens=False).to(model.device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids,
-                             pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
+        batch = prompts[i : i + batch_size]
+        enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        out = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-        samples += zip(prompts[i : i + batch_size], texts, answers[i : i + batch_size])
+        samples += zip(batch, texts, answers[i : i + batch_size])
     model.train()
     return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
 
@@ -690,15 +689,14 @@ CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, which final
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Keep only the special tokens of the checkpoint's generation_config (generate fills unset fields from it, e.g.
-    a repetition_penalty, and would not sample softmax(logits / T)) -> the EOS ids."""
+    """Keep only its generation_config's special tokens, so that generate samples softmax(logits / T) -> EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
     eos = sorted({tokenizer.eos_token_id} | set(np.atleast_1d(old.eos_token_id or []).tolist()))
     dropped = [f"{k}={v}" for k, v in old.to_diff_dict().items() if k not in kept]
-    model.generation_config = type(old)(bos_token_id=old.bos_token_id, eos_token_id=eos,
-                                        pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = type(old)(
+        bos_token_id=old.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     CHECKPOINT_GENERATION_CONFIG["policy"] = old
     if dropped and int(os.environ.get("RANK", 0)) == 0:
         print(f"{model.name_or_path}: its generation_config's {', '.join(dropped)} not used: the flags decide")
@@ -706,15 +704,14 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """The split --<flag> names (a folder's <split>.jsonl, a hub split; one file: a seeded 10% for eval, the rest for
-    training), with `columns`."""
+    """--<flag>'s split with `columns`: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
     split, path = getattr(args, flag), Path(args.dataset).expanduser()
     file = path / f"{split}.jsonl" if path.is_dir() else path
     skip = f", or skip this split with --{flag.replace('_', '-')} None" if "eval" in flag else ""
     splits = {f: s for f, s in vars(args).items() if f.endswith("_split") and s}
-    have = sorted(f.stem for f in path.glob("*.jsonl")) if path.is_dir() else []
-    missing = {f: s for f, s in splits.items() if path.is_dir() and s not in have}
-    if missing:
+    have = sorted(f.stem for f in path.glob("*.jsonl"))
+    missing = {f: s for f, s in splits.items() if s not in have}
+    if path.is_dir() and missing:
         fixes = [f"--{f.replace('_', '-')} {'None' if 'eval' in f else '|'.join(have) or '<split>'}" for f in missing]
         raise ValueError(f"split not found: {path} has no {', '.join(s + '.jsonl' for s in missing.values())} (its "
                          f"splits: {', '.join(have) or 'none'}): pass {' '.join(fixes)}")
@@ -729,7 +726,10 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
                 raise ValueError(f"{file}, line {i}: expected a JSON object, got {type(rows[-1]).__name__}{skip}")
         if not rows:
             raise ValueError(f"{file} is empty: it needs at least one JSON line")
-        ds = Dataset.from_dict({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
+        try:
+            ds = Dataset.from_dict({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
+        except (TypeError, ValueError) as e:  # pyarrow: a column's rows of different types (2 and "1/2")
+            raise ValueError(f"{file}: a column's values differ in type ({e}): give each column one type") from None
     else:
         check_local_or_hub("dataset", args.dataset)
         try:
@@ -742,7 +742,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
                          f"{column_flags}{skip})")
     if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
-            raise ValueError(f"{path} has 1 row: none to hold out for evaluation; pass --eval-split None")
+            raise ValueError(f"{path} has 1 row: none to hold out for eval; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
         if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
             print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
@@ -778,7 +778,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
-    """Counts, device, model folders and --fsdp, before any work."""
+    """Counts, device, model folders, --fsdp: before any work."""
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -791,7 +791,7 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
         if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
             raise ValueError(f"'{name}' is not a model folder: it has no config.json")
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
-        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume {args.run_dir})")
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
     if args.warmup_steps >= args.total_steps:  # else the learning rate never leaves warmup
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
@@ -807,21 +807,20 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
         raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     config = AutoConfig.from_pretrained(getattr(args, "model_config", None) or args.model_name_or_path)
-    with torch.device("meta"):  # a weightless copy, to find the decoder layers
+    with torch.device("meta"):  # weightless, to find the decoder layers
         decoder_layers(AutoModel.from_config(config))
 
 
 def decoder_layers(model) -> list:
-    """The blocks FSDP2 shards one by one: the longest ModuleList of one block class (model.layers, h, ...)."""
+    """The blocks FSDP2 shards one by one: the longest ModuleList of one class (model.layers, h, ...)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
     if not lists:
-        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__} (a ModuleList of one "
-                         f"block class): use DDP (drop --fsdp)")
+        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: use DDP (drop --fsdp)")
     return list(max(lists, key=len))
 
 
 def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
-    """Before the model loads: the longest prompt plus the generated tokens fit the model's positions."""
+    """Before the model loads: the longest prompt plus new tokens fit the model's positions."""
     context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
     if context and longest + new_tokens > context:
         raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
@@ -838,7 +837,7 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own args; flags given here apply if in `may_change`, else are refused. -> (args, changes)"""
+    """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
     if not args.resume:
         return args, {}
     resume = Path(args.resume)
@@ -855,9 +854,9 @@ def resume_args(args, may_change: tuple[str, ...]):
                 getattr(defaults, name), getattr(out, name)):
             continue
         if name not in may_change:
+            may = ", ".join("--" + n.replace("_", "-") for n in may_change)
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} and "
-                             f"cannot change on resume (drop it, or start a new run); these may: "
-                             f"{', '.join('--' + n.replace('_', '-') for n in may_change)}")
+                             f"cannot change on resume (drop it, or start a new run); these may: {may}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -869,8 +868,7 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 
 def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, sharded=None):
-    """A temporary folder, then renamed: a killed run never leaves half a checkpoint (--fsdp: `weights` gathered,
-    `sharded` moved in)."""
+    """A temporary folder, renamed: a killed run leaves no half checkpoint (--fsdp: gathered `weights`, `sharded`)."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=weights)
@@ -889,7 +887,7 @@ def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, shar
 
 
 class Run:
-    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run directory, W&B, signals."""
+    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()
@@ -907,7 +905,7 @@ class Run:
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
-        if not args.resume:  # rank 0's clock names the run (the ranks' may straddle a second)
+        if not args.resume:  # rank 0's clock names the run (clocks may straddle a second)
             stamp = torch.tensor([int(time.time())], device=self.device)
             if self.ddp:
                 dist.broadcast(stamp, 0)
@@ -951,24 +949,24 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head)."""
+        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); with --dtype auto on
+        CUDA it computes in bfloat16 and reduces in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.args.dtype == "auto":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        self.sharded.append(fully_shard(module, mesh=mesh, mp_policy=mp))
-        module._get_fsdp_state()._lazy_init()  # `module` is the root even if a layer runs first (generate, evaluation)
+        for unit in [*layers, module]:  # the root last
+            fully_shard(unit, mesh=mesh, mp_policy=mp)
+        self.sharded.append(module)
+        module._get_fsdp_state()._lazy_init()  # `module` is the root even if a layer runs first (e.g. generate)
         return module
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights inside, so that sampling and evaluation need no collective per decode step
-        (processes may take different numbers of them)."""
+        """--fsdp: whole weights inside: no collective per decode step (processes may take different step counts)."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1057,13 +1055,13 @@ class Run:
 
     def __enter__(self):
         args = self.args
-        if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this checkpoint
+        if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this one
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
-            rows = [json.loads(r) for r in (self.dir / "metrics.jsonl").read_text().splitlines()]
-            rows = [r for r in rows if r["step"] <= self.start]
-            (self.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the summary's start values and the progress line's last eval: the run's own
+            metrics = self.dir / "metrics.jsonl"
+            rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= self.start]
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            for row in rows:  # the run's own start values (summary) and last eval (progress line)
                 self.first, self.last = {**row, **self.first}, {**self.last, **row}
             saved = json.loads((self.dir / "args.json").read_text())
             resumed = {"step": self.start, "checkpoint": args.resume, "overrides": self.overrides}
@@ -1072,7 +1070,7 @@ class Run:
             print(f"resumed from step {self.start} of {args.total_steps} ({args.resume})" + "".join(
                 f"; --{k.replace('_', '-')} {new} (the run had {old})" for k, (old, new) in self.overrides.items()))
         elif self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes into it first
+            self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes here first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
@@ -1097,9 +1095,9 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
 
     def steps(self, measure, save):
-        """Steps start+1 .. --total-steps with evaluations and checkpoints; a Ctrl-C or SIGTERM saves and ends."""
+        """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
         args = self.args
-        if args.track and self.rank == 0:  # (a failure, e.g. no login: __exit__ removes a new run dir)
+        if args.track and self.rank == 0:  # a failure (no login): __exit__ removes a new run dir
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
@@ -1126,7 +1124,7 @@ class Run:
                 return
 
     def report(self):
-        """The key numbers on the progress bar (a terminal), or every --log-every steps as a line."""
+        """The key numbers on the progress bar (a terminal), else a line every --log-every steps."""
         per_step = self.seconds / self.steps_done
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)

@@ -63,7 +63,7 @@ class Args:
     """which trainer runs first"""
     seed: int = 1
     """seed of both runs"""
-    backends: tuple[str, ...] = ("shared",)
+    backends: tuple[str, ...] = ("auto",)
     """grpo.py's --generation-backend(s), one run each (e.g. --backends shared static on a GPU)"""
     grpo_micro_batch_size: int = 32
     """grpo.py's completions per forward/backward (sorted by length, so less padding than one batch of 64)"""

@@ -1,6 +1,6 @@
 """On CPU, each --generation-backend's sampling of grpo.py's default batch: why `auto` is `shared` there.
 
-    python benchmarks/sampling_cpu.py [REPEATS]      # 2 threads, the embedded model, 64 prompts x G = 8, 40 new tokens
+    python benchmarks/sampling_cpu.py [REPEATS]   # 2 threads, the embedded model, 64 prompts x G = 8, 40 tokens, T 0.7
 
 `grpo.sample` on the same left-padded batch, the backends interleaved, a fresh seed per repeat; `copy` writes the
 model's weights into its bfloat16 copy each time, as a run does before each rollout. Medians of the repeats after the
@@ -28,7 +28,7 @@ def main(repeats: int = 8) -> dict:
     rows = [json.loads(line)["prompt"] for line in (ROOT / "data/arith/train.jsonl").read_text().splitlines()[:64]]
     ids, mask = grpo.left_pad([tokenizer(r, add_special_tokens=False).input_ids for r in rows for _ in range(8)],
                               tokenizer.pad_token_id)
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=40,
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, max_new_tokens=40,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     times = {"shared": [], "static": [], "copy": []}
     with torch.no_grad():

@@ -385,7 +385,7 @@ def test_generation_backends_report_the_trainers_log_probs(embedded, backend):
 def test_sampler_copy_is_the_merged_weights_in_bfloat16_updated_in_place():
     """--generation-backend copy: the copy holds bfloat16(W + LoRA's B A s), exactly what merging the adapters gives;
     after an update a call rewrites the same tensors (a compiled CUDA graph keeps its addresses); the model's own
-    parameters and state_dict do not include it."""
+    parameters and state_dict do not include it, and a deepcopy (the final LoRA merge) shares it."""
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(ROOT / "models/tiny-arith"),
@@ -404,6 +404,7 @@ def test_sampler_copy_is_the_merged_weights_in_bfloat16_updated_in_place():
         for name, p in sampler.named_parameters():
             assert p.dtype == torch.bfloat16 and torch.equal(p, merged[name].to(torch.bfloat16)), name
     assert set(model.state_dict()) == keys and len(list(model.parameters())) == n_params
+    assert copy.deepcopy(model).get_base_model().bf16_copy() is sampler
 
 
 def test_sampler_copy_decodes_greedily_as_float32_except_at_near_ties(embedded):
@@ -437,8 +438,8 @@ def test_generation_backend_auto_picks_copy_on_cuda_and_shared_on_cpu():
 
 
 def test_the_sampler_check_takes_bf16s_tolerance_wherever_bf16_computes(monkeypatch):
-    """Its 1e-3 holds only where sampler and trainer are float32 throughout: CPU, or CUDA with --dtype float32 and no
-    --fsdp (FSDP's CUDA policy computes in bf16); a first-batch gap of 0.01 passes everywhere else (0.25)."""
+    """Its 1e-3 holds only where sampler and trainer are float32 throughout: CPU, or CUDA with --dtype float32 (--fsdp
+    too: its bf16 compute is --dtype auto's); a first-batch gap of 0.01 passes everywhere else (0.25)."""
     tensor = torch.tensor
     monkeypatch.setattr(torch, "tensor", lambda data, device=None: tensor(data))  # no CUDA tensors on this machine
 
@@ -452,8 +453,9 @@ def test_the_sampler_check_takes_bf16s_tolerance_wherever_bf16_computes(monkeypa
         return False
 
     assert stops("cpu", "auto") and stops("cpu", "float32") and stops("cuda", "float32")
+    assert stops("cuda", "float32", fsdp=True)
     assert not any([stops("cpu", "auto", backend="copy"), stops("cpu", "bfloat16"), stops("cuda", "auto"),
-                    stops("cuda", "float32", fsdp=True), stops("cuda", "float32", backend="copy")])
+                    stops("cuda", "auto", fsdp=True), stops("cuda", "float32", backend="copy")])
 
 
 @pytest.mark.parametrize("lr,warns", [(1e-6, True), (1e-4, False)])
@@ -698,6 +700,7 @@ def test_learning_on_the_embedded_task(tmp_path):
     ({"num_generations": 1}, "--num-generations must be >= 2"),
     ({"prompts_per_step": 3, "num_generations": 2, "micro_batch_size": 4}, "not divisible by --micro-batch-size 4"),
     ({"max_completion_length": 0}, "--max-completion-length must be positive"),
+    ({"eval_limit": 0}, "--eval-limit must be positive"),
     ({"reward": "correctness,bogus"}, "unknown reward type 'bogus'"),
     ({"reward": "correctness", "answer_column": "solution"}, "has no column ['solution']"),
     ({"prompts_per_step": 3, "num_generations": 4, "micro_batch_size": 8}, "use --micro-batch-size 6"),

@@ -496,6 +496,9 @@ def test_prompts_and_completions_must_fit_the_context(tiny, tmp_path):
                                          rf"{longest + 7} positions"):
         hybrid.main(tiny_args(tiny, tmp_path / "runs", model_name_or_path=short_gpt2(tmp_path / "short", longest + 7),
                               dataset=str(data), max_prompt_length=4))
+    with pytest.raises(ValueError, match=r"--max-length 33 exceed the model's 32 positions: pass --max-length 32"):
+        hybrid.main(tiny_args(tiny, tmp_path / "runs", model_name_or_path=short_gpt2(tmp_path / "s32", 32),
+                              dataset=str(data), max_prompt_length=4, max_length=33))  # the SFT rows too
     assert not (tmp_path / "runs").exists()
 
 

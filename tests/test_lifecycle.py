@@ -200,7 +200,8 @@ def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny,
     refreshes from its whole weights."""
     copy = {"generation_backend": "copy"} if script in ("grpo", "hybrid") else {}
     for parallel in ("ddp", "fsdp"):
-        flags = cli(script, tiny, tmp_path / parallel, total_steps=3, eval_split=None, save_every=2, **copy)[2:]
+        made = {"final_dir": tmp_path / f"made-{parallel}"} if script == "sft" else {}  # sft: whole there too
+        flags = cli(script, tiny, tmp_path / parallel, total_steps=3, eval_split=None, save_every=2, **copy, **made)[2:]
         out = run_torchrun(f"{script}.py", *flags, *(["--fsdp"] if parallel == "fsdp" else []))
         assert f"2 processes, {'FSDP2' if parallel == 'fsdp' else 'DDP'}" in out
         assert "returned a view tensor" not in out  # FSDP2 warns of outputs that an in-place op could detach
@@ -212,6 +213,9 @@ def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny,
     assert (fsdp / "checkpoints" / "step_2" / "sharded").is_dir() and not (ddp / "checkpoints" / "step_2" / "sharded").exists()
     whole, reference = load_file(fsdp / "final" / "model.safetensors"), load_file(ddp / "final" / "model.safetensors")
     assert whole.keys() == reference.keys() and all(torch.allclose(whole[k], reference[k], atol=1e-5) for k in whole)
+    if script == "sft":
+        made = load_file(tmp_path / "made-fsdp" / "model.safetensors")
+        assert made.keys() == whole.keys() and all(torch.equal(made[k], whole[k]) for k in whole)
     (fsdp / "metrics.jsonl").write_text("")
     run_torchrun(f"{script}.py", "--resume", str(fsdp / "checkpoints" / "step_2"))
     (resumed,) = train_rows(fsdp)

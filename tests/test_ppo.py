@@ -151,9 +151,9 @@ def test_compute_advantages_kl_is_of_pi_old_from_the_reference():
 
 def test_the_bfloat16_sampler_copy_samples_for_the_float32_policy(tiny, tmp_path):
     """--generation-backend copy (the CUDA default) with LoRA merged into it: the sampler's log-probs differ
-    from the float32 trainer's by bfloat16 rounding, inside the start check's tolerance (float32 sampling: 1e-7)."""
+    from the float32 trainer's by bfloat16 rounding only (measured 8e-4; unmerged adapters: 0.09; float32: 1e-7)."""
     out = ppo.main(tiny_args(tiny, tmp_path, total_steps=2, eval_split=None, generation_backend="copy", lora_r=4))
-    assert 1e-4 < out["train/sampler_gap"] < 0.25 and out["step"] == 2
+    assert 1e-4 < out["train/sampler_gap"] < 0.01 and out["step"] == 2
 
 
 def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
@@ -356,6 +356,7 @@ def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_
     ({"pause_at_step": 2}, "--pause-at-step must be before --total-steps"),
     ({"pause_at_step": -1}, "--pause-at-step must be >= 0"),
     ({"target_kl": 0.0}, "--target-kl must be positive"),
+    ({"eval_limit": 0}, "--eval-limit must be positive"),
     ({"temperature": 0.0}, "--temperature must be positive"),
     ({"gamma": 1.5}, "need 0 <= --clip-low, --gamma, --lam <= 1"),
     ({"gold_reward": "correctnes"}, "unknown reward type 'correctnes'"),
