@@ -313,6 +313,9 @@ def test_bad_input_fails_before_any_work(tiny, tmp_path, script, change, message
     ('{"prompt": "1+1=", "answer": "2", "completion": "2", "chosen": "2", "rejected": "3"}\n{"prompt": "2+2=", a: 4}\n',
      "line 2: not valid JSON"),
     ('["1+1=", "2"]\n', "line 1: expected a JSON object"),
+    ('{"prompt": "1+1=", "answer": 2, "completion": "2", "chosen": "2", "rejected": "3"}\n'
+     '{"prompt": "1/2+1/2=", "answer": "1/1", "completion": "1", "chosen": "1", "rejected": "2"}\n',
+     "a column's values differ in type"),
     (None, "not found"),
 ])
 def test_bad_data_names_the_file_and_line(tiny, tmp_path, script, content, message):
