@@ -861,7 +861,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
     step = torch.load(resume / "trainer_state.pt", weights_only=False, mmap=True)["step"]
-    if step >= out.total_steps:
+    if step > out.total_steps - (resume.parents[1] / "final").exists():  # stopped in the last evaluation: go on
         raise ValueError(f"--resume {args.resume}: the run ended here (--total-steps {out.total_steps}); to train on, "
                          f"pass a larger --total-steps")
     return out, changed
@@ -914,7 +914,7 @@ class Run:
         self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
         self.start = self.step = self.steps_done = 0
         self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
-        self.signal, self.saved_at = 0, time.time()
+        self.signal, self.saved_at, self.saved_step, self.evaluating, self.evaluated = 0, time.time(), -1, False, False
         self.progress = self.rank == 0 and sys.stderr.isatty()
 
     def restore(self, model, optimizer, scheduler):
@@ -1005,7 +1005,7 @@ class Run:
     def checkpoint(self, model, tokenizer, state: dict, per_rank: dict) -> Path:
         """checkpoints/step_N: weights, tokenizer, trainer_state.pt (`state`, args, RNGs, `per_rank` of each)."""
         path, weights = self.dir / "checkpoints" / f"step_{self.step}", self.full_weights(model)
-        self.saved, self.saved_at = path, time.time()
+        self.saved, self.saved_at, self.saved_step = path, time.time(), self.step
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
@@ -1043,9 +1043,12 @@ class Run:
             tqdm.write(text) if self.progress else print(text, flush=True)
 
     def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
-        """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed."""
-        with self.whole():
-            metrics, samples = measure() if self.rank == 0 else ({}, [])
+        """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed; a stop cuts it short."""
+        metrics, samples = {}, []
+        with self.whole(), contextlib.suppress(InterruptedError):  # raised by interrupt()
+            self.evaluating = not self.stopping() and self.rank == 0
+            metrics, samples = measure() if self.evaluating else ({}, [])
+            self.evaluating = False
         if metrics:
             table = ("eval/samples", ["prompt", "completion", "answer"], [list(s) for s in samples[:16]])
             self.log({"step": self.step, **metrics}, table)
@@ -1063,6 +1066,7 @@ class Run:
             metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
             for row in rows:  # the run's own start values (summary) and last eval (progress line)
                 self.first, self.last = {**row, **self.first}, {**self.last, **row}
+                self.evaluated = self.evaluated or row["step"] == self.start and "eval/" in str(row)
             saved = json.loads((self.dir / "args.json").read_text())
             resumed = {"step": self.start, "checkpoint": args.resume, "overrides": self.overrides}
             saved.setdefault("resumed", []).append(resumed)
@@ -1072,6 +1076,7 @@ class Run:
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes here first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+            (self.dir / "metrics.jsonl").touch()  # (a run stopped in its first evaluation logs nothing)
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
@@ -1083,8 +1088,12 @@ class Run:
         if ctrl_c:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
         if self.rank == 0:
-            print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: finishing step {self.step}, then saving a checkpoint" +
+            print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: " + ("cutting the evaluation short" if self.evaluating else
+                  f"finishing step {self.step}") + ", then saving a checkpoint" +
                   " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
+        if self.evaluating:  # an evaluation is cut short (evaluate() catches it); a step is finished
+            self.evaluating = False
+            raise InterruptedError
 
     def __exit__(self, kind, *exc):  # after a Ctrl-C, or started with SIGINT ignored (`&`), a Ctrl-C quits
         quit_at_once = self.signal or self.previous[0] == signal.SIG_IGN
@@ -1103,25 +1112,33 @@ class Run:
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
                        config=vars(args), dir=str(self.dir), resume="allow")
             self.wandb = wandb
-        if self.start == 0:
+        every = args.eval_every or args.total_steps + 1
+        if self.start < args.total_steps and self.start % every == 0 and not self.evaluated:  # (a resume: if cut)
             self.evaluate(measure)
         for step in range(self.start + 1, args.total_steps + 1):
+            if self.stopping(save):
+                return
             self.step, t0 = step, time.perf_counter()
             yield step
             self.steps_done += 1
             self.seconds += time.perf_counter() - t0
             self.report()
-            if args.eval_every and step % args.eval_every == 0 and step != args.total_steps:
+            if step % every == 0 and step != args.total_steps:
                 self.evaluate(measure)
-            minutes = time.time() - self.saved_at > 60 * args.save_every_minutes > 0
-            flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
-            if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
-                dist.all_reduce(flags, dist.ReduceOp.MAX)  # (a signal during it counts at the next step)
-            self.stop, minutes = int(flags[0]), bool(flags[1])
-            if self.stop or minutes or args.save_every and step % args.save_every == 0:
+            if args.save_every and step % args.save_every == 0:
                 save()
-            if self.stop:
-                return
+
+    def stopping(self, save=None) -> bool:
+        """A stop (a pause, or a signal to any process) for all processes; with `save`, a checkpoint then or when
+        --save-every-minutes is due."""
+        minutes = self.steps_done and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
+        flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
+        if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
+            dist.all_reduce(flags, dist.ReduceOp.MAX)
+        self.stop = int(flags[0])
+        if save and (self.stop or flags[1]) and self.saved_step != self.step:
+            save()
+        return bool(self.stop)
 
     def report(self):
         """The key numbers on the progress bar (a terminal), else a line every --log-every steps."""
@@ -1136,9 +1153,11 @@ class Run:
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
         """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
-        if not self.stop:
-            final.update(self.evaluate(measure))
+        final.update({} if self.stop else self.evaluate(measure))
+        self.stopping()  # a signal in the last step or evaluation stops here
+        if self.saved_step != self.step:
             save()
+        if not self.stop:
             if self.rank == 0 or self.fsdp:  # (--fsdp: all processes gather)
                 model = model if isinstance(model, torch.nn.Module) else model()
                 weights = self.full_weights(model)

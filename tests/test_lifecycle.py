@@ -135,6 +135,68 @@ def test_sigterm_saves_like_ctrl_c_and_the_resumed_run_equals_a_straight_one(tin
         assert all(y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6) for k in x if not k.startswith("perf/")), (x, y)
 
 
+def sigterm_in_the_first_evaluation(m, monkeypatch):
+    """Patch script m so that SIGTERM reaches the process while rank 0 evaluates at step 0."""
+    import signal
+
+    evaluate = m.Run.evaluate
+
+    def signalled(run, measure):
+        def measure_signalled():
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the evaluation
+            raise AssertionError("the evaluation went on after SIGTERM")
+        return evaluate(run, measure_signalled if run.step == 0 and run.rank == 0 else measure)
+
+    monkeypatch.setattr(m.Run, "evaluate", signalled)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_sigterm_in_the_first_evaluation_cuts_it_short_and_the_resumed_run_equals_a_straight_one(
+        tiny, tmp_path, script, monkeypatch):
+    """A grace period is short (SLURM, Kubernetes: 30 s): SIGTERM during the step-0 evaluation ends it at once, no
+    step starts, step_0 is saved; the resume evaluates at step 0 again and then equals a straight run."""
+    m = module(script)
+    sigterm_in_the_first_evaluation(m, monkeypatch)
+    cut = m.main(tiny_args(script, tiny, tmp_path / "a", eval_every=1))
+    monkeypatch.undo()
+    run = Path(cut["run_dir"])
+    assert cut["interrupted"] == 15 and cut["step"] == 0 and not (run / "final").exists()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0"] and read_metrics(run) == []
+    m.main(m.Args(resume=str(run / "checkpoints" / "step_0")))
+    straight = m.main(tiny_args(script, tiny, tmp_path / "b", eval_every=1))
+    rows = lambda d: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(d)]  # noqa: E731
+    a, b = rows(straight["run_dir"]), rows(run)
+    assert [r["step"] for r in b] == [r["step"] for r in a] and any("eval/" in str(r) for r in b if r["step"] == 0)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() and all(y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6) for k in x), (x, y)
+
+
+def test_sigterm_in_the_first_evaluation_under_torchrun_saves_step_0_and_resumes_as_a_straight_run(tiny, tmp_path):
+    """The same under torchrun (2 gloo processes): rank 0 is signalled while it evaluates, both stop at step 0."""
+    import subprocess
+
+    wrapper = tmp_path / "grpo_sigterm.py"  # grpo.py's command line, with the signal sent inside rank 0's evaluation
+    wrapper.write_text(f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\nimport grpo, pytest\n"
+                       "from test_lifecycle import sigterm_in_the_first_evaluation\n"
+                       "sigterm_in_the_first_evaluation(grpo, pytest.MonkeyPatch())\ngrpo.command_line(grpo.Args, grpo.main)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(wrapper),
+           *cli("grpo", tiny, tmp_path / "a")[2:]]
+    cut = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert cut.returncode != 0 and "SIGTERM: cutting the evaluation short" in cut.stderr, cut.stderr[-3000:]
+    (run,) = (tmp_path / "a").iterdir()
+    (ckpt,) = (run / "checkpoints").iterdir()
+    assert ckpt.name == "step_0" and len(torch.load(ckpt / "trainer_state.pt", weights_only=False)["per_rank"][
+        "torch_rng"]) == 2
+    run_torchrun("grpo.py", "--resume", str(ckpt))
+    run_torchrun("grpo.py", *cli("grpo", tiny, tmp_path / "b")[2:])
+    (straight,) = (tmp_path / "b").iterdir()
+    rows = lambda d: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(d)]  # noqa: E731
+    a, b = rows(straight), rows(run)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 2]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys() and all(y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6) for k in x), (x, y)
+
+
 def test_sigterm_reaching_one_torchrun_process_stops_both_at_the_same_step(tiny, tmp_path):
     """torchrun, 2 gloo processes: SIGTERM sent to rank 1 alone stops both after the same step, with one checkpoint
     holding both processes' states; the run says how many processes and which parallelism."""
