@@ -21,13 +21,15 @@ Departures from the specification (reasons and measurements in the docs)
 """
 
 import copy
+import inspect
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, make_dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -39,40 +41,42 @@ from tqdm import tqdm
 
 
 @dataclass
-class Args:
-    # --- algorithm
+class Algorithm:
     num_envs: int = 64
     """environments stepped together"""
     num_steps: int = 64
-    """steps per environment in each rollout"""
+    """steps per environment per rollout"""
     gamma: float = 0.99
     """discount factor"""
     gae_lambda: float = 0.8
-    """GAE lambda"""
+    """advantage lambda (GAE): 1 whole returns, 0 one step"""
     num_minibatches: int = 4
-    """minibatches per epoch (must divide the batch)"""
+    """minibatches per epoch (divides the batch)"""
     update_epochs: int = 10
     """epochs over each rollout"""
     norm_adv: bool = True
     """normalise advantages per minibatch"""
     clip_coef: float = 0.2
-    """surrogate clipping coefficient"""
+    """probability ratio clipped to 1 +- this"""
     clip_vloss: bool = False
-    """clip V to the rollout's V +- clip_coef in the value loss"""
+    """clip values to the rollout's +- --clip-coef in the value loss"""
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
     """value loss coefficient"""
     target_kl: float | None = None
-    """stop an update's epochs once the approx-KL exceeds this"""
+    """stop an update's epochs once approximate KL exceeds this"""
 
-    # --- model / environment
+
+
+@dataclass
+class ModelData:
     hidden_size: int = 256
-    """width of the shared trunk"""
+    """shared trunk width"""
     head_size: int = 128
-    """width of the actor and critic heads"""
+    """actor and critic head width"""
     capacities: tuple[int, ...] = (4, 6, 9, 12)
-    """capacities to choose from, strictly increasing"""
+    """capacities to choose from, increasing"""
     max_episode_steps: int = 64
     """episode step limit (truncation)"""
     energy_budget: float = 640.0
@@ -80,47 +84,50 @@ class Args:
     regime_means: tuple[float, ...] = (0.1, 0.35, 0.6, 0.85)
     """mean difficulty of each task regime"""
     regime_switch_prob: float = 0.05
-    """per-step probability of redrawing the regime"""
+    """per-step chance of a new regime"""
     difficulty_drift: float = 0.3
-    """rate of reversion of the difficulty to its regime's mean"""
+    """pull of difficulty toward its regime's mean"""
     difficulty_noise: float = 0.05
-    """std of the per-step change in difficulty"""
+    """std of per-step difficulty changes"""
     slots_at_max_difficulty: float = 11.0
-    """slots needed for 50% above chance at difficulty 1"""
+    """slots for 50% above chance at difficulty 1"""
     accuracy_temperature: float = 0.8
     """width of the psychometric curve, in slots"""
     chance_accuracy: float = 0.25
     """accuracy with no useful capacity"""
     items_per_step: int = 20
-    """task items per step; accuracy is the fraction right"""
+    """task items per step (accuracy: fraction right)"""
     workspace_dim: int = 60
-    """size of the global workspace in the observation"""
+    """global workspace size"""
     workspace_signal: float = 1.0
-    """strength of the difficulty signal in each workspace unit"""
+    """difficulty signal per workspace unit"""
     workspace_noise: float = 0.5
-    """std of the noise in each workspace unit"""
+    """noise std per workspace unit"""
     estimate_noise: float = 0.1
-    """std of the noise of the scalar difficulty estimate"""
+    """noise std of the difficulty estimate"""
     accuracy_weight: float = 1.0
     """reward weight of task accuracy"""
     energy_cost: float = 0.05
-    """reward penalty per slot-step (--energy-term linear)"""
+    """penalty per slot-step (--energy-term linear)"""
     energy_term: Literal["linear", "spec"] = "linear"
     """linear: -energy_cost * n; spec: -0.1 * energy_used / n^2"""
     switch_penalty: float = 0.05
-    """reward penalty for changing capacity"""
+    """penalty for changing capacity"""
     escalation_bonus: float = 0.2
-    """bonus for raising capacity when accuracy < --escalation-threshold"""
+    """bonus for raising capacity at accuracy < --escalation-threshold"""
     escalation_threshold: float = 0.7
     """see --escalation-bonus"""
     efficiency_bonus: float = 0.1
-    """bonus for lowering capacity when accuracy > --efficiency-threshold"""
+    """bonus for lowering capacity at accuracy > --efficiency-threshold"""
     efficiency_threshold: float = 0.95
     """see --efficiency-bonus"""
 
-    # --- optimisation
+
+
+@dataclass
+class Optimisation:
     total_steps: int = 300_000
-    """environment steps of training, rounded down to whole iterations"""
+    """environment steps of training (whole iterations)"""
     learning_rate: float = 2.5e-4
     """Adam learning rate"""
     anneal_lr: bool = True
@@ -128,40 +135,49 @@ class Args:
     max_grad_norm: float = 0.5
     """global gradient-norm clip"""
 
-    # --- logging / checkpointing
+
+
+@dataclass
+class Logging:
     eval_every: int = 50_000
-    """evaluate every this many environment steps (0: at the start and end only)"""
+    """environment steps between evaluations (0: start and end)"""
     num_eval_envs: int = 1024
     """evaluation episodes per policy"""
     eval_seed: int = 12345
-    """seed of the fixed evaluation episodes"""
+    """seed of the evaluation episodes"""
     save_every: int = 0
-    """checkpoint every this many environment steps (0: only at the end)"""
+    """environment steps between checkpoints (0: at the end)"""
     resume: str | None = None
-    """checkpoint runs/<run>/checkpoints/step_N to continue"""
+    """runs/<run>/checkpoints/step_N to continue"""
 
-    # --- experiment / tracking / device
+
+
+@dataclass
+class Engineering:
     exp_name: str = "capacity_ppo"
-    """name of the experiment, part of the run directory name"""
+    """part of the run directory's name"""
     seed: int = 1
-    """seed of the agent, the actions and the training environments"""
+    """seed of agent, actions and training environments"""
     torch_deterministic: bool = True
-    """use deterministic torch algorithms where they exist"""
+    """deterministic torch algorithms where possible"""
     track: bool = False
-    """log the run to Weights & Biases"""
+    """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
+    """W&B project"""
     wandb_entity: str | None = None
-    """Weights & Biases team (None: your default)"""
+    """W&B team (None: your default)"""
     output_dir: str = "runs"
-    """where run directories are created"""
+    """parent of run directories"""
     device: str = "cpu"
-    """torch device (cpu is as fast as cuda here)"""
+    """torch device (cpu: as fast as cuda here)"""
     torch_threads: int = 1
-    """CPU threads for torch (1 is fastest here)"""
+    """torch CPU threads (1 is fastest here)"""
     run_name: tyro.conf.Suppress[str] = ""
-    """capacity__{exp_name}__{seed}__{time}, set at run time"""
+    """set at run time"""
 
+
+@dataclass
+class Args(Engineering, Logging, Optimisation, ModelData, Algorithm):
     @property
     def batch_size(self) -> int:
         return self.num_envs * self.num_steps
@@ -698,18 +714,17 @@ def sigterm(signum, frame):  # a cluster's preemption: stop as on Ctrl-C
 
 def command_line(Args, main) -> None:
     """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
+    flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
-        stop = main(tyro.cli(Args))["interrupted"]
+        stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
         if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
-        tb = e.__traceback__
-        while tb.tb_next:
-            tb = tb.tb_next
-        if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
+        if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
             raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 

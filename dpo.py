@@ -25,6 +25,7 @@ Deviations (why, and the measurements: docs/dpo.md):
 import contextlib
 import copy
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, make_dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable, Literal, Optional
@@ -53,64 +54,69 @@ from kernels import linear_token_logprobs
 
 
 @dataclass
-class Args:
-    # --- algorithm
+class Algorithm:
     loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "simpo"] = "sigmoid"
-    """DPO (+cDPO), SLiC hinge, IPO, robust DPO or SimPO"""
+    """logistic (DPO, cDPO), hinge (SLiC), squared (IPO), noise-robust DPO, or reference-free SimPO"""
     beta: float = 0.1
-    """inverse temperature of the implicit reward beta log pi/pi_ref (IPO: tau; SimPO: ~2)"""
+    """implicit reward = this x log(policy / reference) (IPO: its tau; SimPO: ~2)"""
     label_smoothing: float = 0.0
-    """sigmoid (cDPO), simpo: in [0, 0.5]; robust: the label-flip rate in [0, 0.5); others: 0"""
+    """assumed label-flip rate: sigmoid (cDPO), simpo in [0, 0.5]; robust in [0, 0.5); others 0"""
     simpo_gamma: float = 0.5
-    """SimPO's target reward margin gamma (Eq. 6 of arXiv:2405.14734)"""
+    """simpo: target reward margin (gamma of Eq. 6)"""
     ipo_logps: Literal["mean", "sum"] = "mean"
-    """IPO's log-ratios: averaged over completion tokens (TRL) or summed (Eq. 17 as written)"""
+    """ipo: log-ratios averaged over completion tokens (as TRL) or summed (Eq. 17)"""
     rpo_alpha: float = 1.0
-    """weight of the chosen completion's per-token NLL in the loss (RPO; 0: off)"""
+    """weight of an SFT loss on the chosen completion (RPO; 0: off)"""
     precompute_ref_logps: bool = False
-    """reference log-probs of the training pairs computed once: no reference model"""
+    """compute the pairs' reference log-probs once, then drop the reference model"""
 
-    # --- model / data
+
+
+@dataclass
+class ModelData:
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the policy (and reference) and its tokenizer"""
+    """folder or hub id of the model and its tokenizer"""
     dataset: str = "data/arith"
-    """local folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    """folder of <split>.jsonl files, a JSON-lines file, or a hub id"""
     dataset_split: str = "prefs"
-    """split with the training pairs (prefs: train if a folder has no prefs.jsonl)"""
+    """split of training pairs (prefs: train if a folder has no prefs.jsonl)"""
     eval_split: Optional[str] = "test"
-    """split with prompts and answers for greedy accuracy (None: none)"""
+    """split of prompts and answers for greedy accuracy (None: none)"""
     pref_eval_split: Optional[str] = "prefs_test"
-    """split with held-out pairs for eval/pref_accuracy (None: none)"""
+    """split of held-out pairs for eval/pref_accuracy (None: none)"""
     prompt_column: str = "prompt"
-    """column holding the prompt (text, or chat messages)"""
+    """prompt column (text, or chat messages)"""
     chosen_column: str = "chosen"
-    """column holding the preferred completion"""
+    """column of preferred completions"""
     rejected_column: str = "rejected"
-    """column holding the dispreferred completion"""
+    """column of dispreferred completions"""
     answer_column: str = "answer"
-    """column of --eval-split holding the reference answer"""
+    """reference answer column of --eval-split"""
     use_chat_template: bool = False
-    """wrap each prompt in the tokenizer's chat template"""
+    """wrap prompts in the tokenizer's chat template"""
     max_prompt_length: int = 256
     """longer prompts keep their last tokens"""
     max_completion_length: int = 40
     """longer completions (with EOS) lose their end; also the greedy eval's"""
     eval_limit: int = 500
-    """greedy accuracy on at most this many eval prompts"""
+    """at most this many eval examples"""
     pref_eval_limit: int = 500
-    """eval/pref_accuracy on at most this many held-out pairs"""
+    """at most this many held-out pairs"""
     lora_r: int = 0
-    """rank of LoRA adapters on every linear layer (0: no LoRA); needs peft"""
+    """LoRA (low-rank adapter) rank on each linear layer (0: off); needs peft"""
     lora_alpha: float = 32.0
-    """LoRA's alpha (the update is scaled by alpha / r)"""
+    """LoRA scale: the update is x alpha / r"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
 
-    # --- optimisation
+
+
+@dataclass
+class Optimisation:
     batch_size: int = 32
-    """preference pairs per optimiser step (over all processes)"""
+    """pairs per optimiser step, over all processes"""
     micro_batch_size: int = 0
-    """pairs per forward/backward pass (0: the largest divisor up to 64)"""
+    """pairs per forward/backward (0: the largest divisor <= 64)"""
     learning_rate: float = 5e-4
     """peak learning rate of AdamW"""
     total_steps: int = 300
@@ -124,45 +130,56 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
 
-    # --- logging / checkpointing
+
+
+@dataclass
+class Logging:
     log_every: int = 1
     """steps between rows of metrics.jsonl"""
     eval_every: int = 50
-    """steps between evaluations (0: only at start and end)"""
+    """steps between evaluations (0: at start and end)"""
     save_every: int = 0
-    """steps between checkpoints (0: at the end and when stopped)"""
+    """steps between checkpoints (0: at the end or a stop)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint every this many minutes (0: off), so a killed run loses no more"""
+    """also save every this many minutes (0: off)"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue"""
 
-    # --- engineering / experiment
+
+
+@dataclass
+class Engineering:
     pack_pairs: bool = True
-    """one row per pair, the shared prefix once (plain rows if the model fails a check)"""
+    """a pair per row, the shared prefix once (plain rows if the model fails a check)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass"""
     device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
+    """cuda, cpu, or auto (cuda if available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states (FSDP2), not DDP"""
+    """under torchrun, shard weights, gradients, AdamW states (FSDP2), not DDP"""
     exp_name: str = "dpo"
     """part of the run directory's name"""
     seed: int = 1
-    """seed of every RNG and of the data order"""
+    """seed of the RNGs and the data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
+    """W&B project"""
     wandb_entity: Optional[str] = None
-    """Weights & Biases team or user"""
+    """W&B team or user"""
     output_dir: str = "runs"
-    """where run directories are created"""
+    """parent of run directories"""
     run_dir: Optional[str] = None
-    """the run directory itself, not <output-dir>/<run name>; must not exist"""
+    """a new run directory (None: one in --output-dir)"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time"""
+
+
+@dataclass
+class Args(Engineering, Logging, Optimisation, ModelData, Algorithm):
+    pass
 
 
 # ---- the algorithm
@@ -721,7 +738,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             try:
                 rows += [json.loads(line)] if line.strip() else []
             except json.JSONDecodeError as e:
-                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}") from None
+                raise ValueError(f"{file}, line {i}: not valid JSON at column {e.colno}: {e.msg}{skip}") from None
             if rows and not isinstance(rows[-1], dict):
                 raise ValueError(f"{file}, line {i}: expected a JSON object, got {type(rows[-1]).__name__}{skip}")
         if not rows:
@@ -735,10 +752,12 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
         try:
             ds = load_dataset(args.dataset, split=split)
         except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e}") from None
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
+                             "has it; or pass a folder of <split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
-        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
+        where = file if path.is_file() else f"split '{split}'"
+        raise ValueError(f"{where} has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}{skip})")
     if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
@@ -779,6 +798,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
+    args.notes = []  # notices printed once every check has passed (Run.__enter__)
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -788,13 +808,18 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA GPU; use --device cpu or auto")
     for name in model_paths:
-        if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json")
+        flag = "--" + next(k for k, v in vars(args).items() if v == name).replace("_", "-")
+        try:
+            local = check_local_or_hub("model", name)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+        if local and not (Path(name).expanduser() / "config.json").exists():
+            raise ValueError(f"{flag} '{name}' is not a model folder: it has no config.json")
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps:  # else the learning rate never leaves warmup
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        if args.warmup_steps != type(args)().warmup_steps:
+            args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
@@ -838,6 +863,10 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 def resume_args(args, may_change: tuple[str, ...]):
     """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset"):  # run from another folder: a path that is beside this file
+        beside = Path(__file__).parent / getattr(args, name)
+        if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
+            setattr(args, name, str(beside))
     if not args.resume:
         return args, {}
     resume = Path(args.resume)
@@ -1015,9 +1044,13 @@ class Run:
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:
+        if self.rank == 0:  # and checkpoints/last, a link to it
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
+            link = path.with_name(".tmp-last")
+            link.unlink(missing_ok=True)
+            link.symlink_to(path.name)
+            os.replace(link, path.with_name("last"))
         self.barrier()
         return path
 
@@ -1080,6 +1113,8 @@ class Run:
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        for note in getattr(args, "notes", []):  # (check_common's)
+            self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
@@ -1100,8 +1135,8 @@ class Run:
         signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
-        if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
+        if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
+            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
 
     def steps(self, measure, save):
         """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
@@ -1175,18 +1210,17 @@ class Run:
 
 def command_line(Args, main) -> None:
     """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
+    flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
-        stop = main(tyro.cli(Args))["interrupted"]
+        stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
         if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
-        tb = e.__traceback__
-        while tb.tb_next:
-            tb = tb.tb_next
-        if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
+        if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
             raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 

@@ -23,6 +23,7 @@ Deviations (why and measurements: docs/grpo.md):
 import contextlib
 import copy
 import importlib.util
+import inspect
 import math
 import json
 import os
@@ -32,7 +33,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, make_dataclass
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -51,10 +52,9 @@ from rewards import DEFAULT_SPEC, make_reward
 
 
 @dataclass
-class Args:
-    # --- algorithm
+class Algorithm:
     num_generations: int = 8
-    """G, completions sampled per prompt"""
+    """completions per prompt"""
     prompts_per_step: int = 64
     """prompts per step over all processes"""
     max_completion_length: int = 40
@@ -62,71 +62,75 @@ class Args:
     temperature: float = 0.7
     """sampling temperature (log-probs are tempered too)"""
     reward: str = DEFAULT_SPEC
-    """reward spec (rewards.make_reward): `name:weight,...` or a JSON file"""
+    """reward functions name:weight,... (rewards.py) or a JSON file"""
     scale_rewards: Literal["group", "batch", "none"] = "none"
     """divide advantages by the group's std (GRPO), the batch's, or 1 (Dr.GRPO)"""
     baseline: Literal["mean", "rloo"] = "mean"
-    """subtract the group's mean reward, or the mean of the other G - 1 (RLOO)"""
+    """subtract the group's mean reward, or the others' mean (RLOO: leave one out)"""
     dynamic_sampling: bool = False
-    """DAPO: replace groups of equal rewards by fresh ones"""
+    """replace groups of equal rewards by fresh ones (DAPO)"""
     max_resample_rounds: int = 4
     """dynamic sampling: most extra draws per step"""
     mask_truncated_completions: bool = False
-    """DAPO overlong filtering: completions without EOS get no loss"""
+    """completions cut before EOS get no loss (DAPO)"""
     beta: float = 0.0
-    """KL coefficient to a frozen reference (0: none kept)"""
+    """KL penalty's weight (0: no frozen reference kept)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html (k3: Eq. 4)"""
+    """KL estimator, http://joschu.net/blog/kl-approx.html"""
     num_iterations: int = 2
-    """mu, optimiser updates on each batch"""
+    """optimiser updates on each batch"""
     clip_low: float = 0.2
-    """epsilon_low: the ratio's floor is 1 - clip_low"""
+    """probability ratio's floor is 1 - this"""
     clip_high: float = 0.2
-    """epsilon_high: the ratio's ceiling is 1 + clip_high (DAPO: 0.28)"""
+    """ratio's ceiling is 1 + this (DAPO: 0.28)"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
-    """the loss's normaliser (aggregate_loss); cispo: CISPO's loss with dapo's normaliser"""
+    """token losses averaged per completion (grpo), process (bnpo), max length (dr_grpo), batch (dapo, cispo)"""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
-    """ratio per token (GRPO), per completion (GSPO), or GSPO-token"""
+    """ratio per token (GRPO), per completion (GSPO), or that with per-token gradients"""
     delta: Optional[float] = None
-    """cap on the ratio of negative-advantage tokens (INTELLECT-2; None: off)"""
+    """cap on the ratio of negative-advantage tokens (INTELLECT-2; None: none)"""
     top_entropy_quantile: float = 1.0
-    """rho: policy gradient only on the top-rho fraction of tokens by entropy"""
+    """train on this fraction of tokens: those of highest entropy"""
     importance_sampling_cap: Optional[float] = None
-    """truncated importance sampling: loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
+    """cap on the per-token loss weight p_old / p_sampler (sampler numerics differ; None: off)"""
 
-    # --- model / data
+
+@dataclass
+class ModelData:
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hub id of the causal LM and its tokenizer"""
+    """folder or hub id of the model and its tokenizer"""
     dataset: str = "data/arith"
-    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hub dataset id"""
+    """folder of <split>.jsonl files, a JSON-lines file, or a hub id"""
     dataset_split: str = "train"
-    """split with the training prompts"""
+    """split of training prompts"""
     eval_split: Optional[str] = "test"
-    """split with prompts and answers for greedy accuracy (None: no eval)"""
+    """split of prompts and answers for greedy accuracy (None: none)"""
     prompt_column: str = "prompt"
-    """column of prompts (strings, or chat messages with --use-chat-template)"""
+    """prompt column: text, or chat messages (--use-chat-template)"""
     answer_column: str = "answer"
-    """column of reference answers (rewards get it as `answer`)"""
+    """reference answer column (`answer` to rewards)"""
     use_chat_template: bool = False
-    """wrap each prompt in the tokenizer's chat template"""
+    """wrap prompts in the tokenizer's chat template"""
     max_prompt_length: int = 256
     """longer prompts keep their last tokens"""
     eval_limit: int = 500
-    """evaluate on at most this many examples"""
+    """at most this many eval examples"""
     lora_r: int = 0
-    """LoRA rank on every linear layer (0: train all weights); needs peft"""
+    """LoRA (low-rank adapter) rank on each linear layer (0: off); needs peft"""
     lora_alpha: float = 32.0
-    """LoRA scaling numerator (alpha / r)"""
+    """LoRA scale: the update is x alpha / r"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
 
-    # --- optimisation
+
+@dataclass
+class Optimisation:
     learning_rate: float = 1e-4
     """peak learning rate of AdamW"""
     total_steps: int = 250
     """training steps; may change on --resume"""
     micro_batch_size: int = 0
-    """completions per forward/backward pass (0: the batch's largest divisor up to 128)"""
+    """completions per forward/backward (0: the batch's largest divisor <= 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """after warmup: cosine or linear decay to 0, or constant"""
     warmup_steps: int = 30
@@ -138,46 +142,55 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass"""
 
-    # --- logging / checkpointing
+
+@dataclass
+class Logging:
     log_every: int = 1
     """steps between rows of metrics.jsonl"""
     eval_every: int = 50
-    """steps between evaluations (0: at start and end only)"""
+    """steps between evaluations (0: at start and end)"""
     save_every: int = 0
-    """steps between checkpoints (0: at the end and when stopped)"""
+    """steps between checkpoints (0: at the end or a stop)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint every this many minutes (0: off)"""
+    """also save every this many minutes (0: off)"""
     resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
+    """runs/<run>/checkpoints/step_N to continue, with that run's flags"""
     num_sample_completions: int = 8
-    """completions per logging step in the --track table"""
+    """completions per log step in the --track table"""
 
-    # --- engineering / experiment / tracking
+
+@dataclass
+class Engineering:
     device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
+    """cuda, cpu, or auto (cuda if available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
     generation_backend: Literal["auto", "shared", "static", "copy"] = "auto"
-    """auto: on CUDA copy (--dtype auto) or static (bfloat16), else shared; shared: each prompt prefilled once;
-    static: a static KV cache; copy: static, on a bfloat16 weight copy rewritten before each rollout"""
+    """auto: on CUDA copy (--dtype auto) or static (bfloat16), else shared; shared: one prefill per prompt;
+    static: static KV cache; copy: static on a bfloat16 weight copy"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states (FSDP2), not DDP"""
+    """under torchrun, shard weights, gradients, AdamW states (FSDP2), not DDP"""
     exp_name: str = "grpo"
-    """experiment name, part of the run directory's"""
+    """part of the run directory's name"""
     seed: int = 1
     """seed of the RNGs and the data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
+    """W&B project"""
     wandb_entity: Optional[str] = None
-    """Weights & Biases team or user"""
+    """W&B team or user"""
     output_dir: str = "runs"
-    """where run directories are created"""
+    """parent of run directories"""
     run_dir: Optional[str] = None
-    """the run directory, if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>; must not exist"""
+    """a new run directory (None: one in --output-dir)"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time"""
+
+
+@dataclass
+class Args(Engineering, Logging, Optimisation, ModelData, Algorithm):
+    pass
 
 
 # ---- the algorithm
@@ -860,7 +873,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             try:
                 rows += [json.loads(line)] if line.strip() else []
             except json.JSONDecodeError as e:
-                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}") from None
+                raise ValueError(f"{file}, line {i}: not valid JSON at column {e.colno}: {e.msg}{skip}") from None
             if rows and not isinstance(rows[-1], dict):
                 raise ValueError(f"{file}, line {i}: expected a JSON object, got {type(rows[-1]).__name__}{skip}")
         if not rows:
@@ -874,10 +887,12 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
         try:
             ds = load_dataset(args.dataset, split=split)
         except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e}") from None
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
+                             "has it; or pass a folder of <split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
-        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
+        where = file if path.is_file() else f"split '{split}'"
+        raise ValueError(f"{where} has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}{skip})")
     if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
@@ -918,6 +933,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
+    args.notes = []  # notices printed once every check has passed (Run.__enter__)
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -927,13 +943,18 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA GPU; use --device cpu or auto")
     for name in model_paths:
-        if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json")
+        flag = "--" + next(k for k, v in vars(args).items() if v == name).replace("_", "-")
+        try:
+            local = check_local_or_hub("model", name)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+        if local and not (Path(name).expanduser() / "config.json").exists():
+            raise ValueError(f"{flag} '{name}' is not a model folder: it has no config.json")
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps:  # else the learning rate never leaves warmup
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        if args.warmup_steps != type(args)().warmup_steps:
+            args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
@@ -977,6 +998,10 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 def resume_args(args, may_change: tuple[str, ...]):
     """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset"):  # run from another folder: a path that is beside this file
+        beside = Path(__file__).parent / getattr(args, name)
+        if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
+            setattr(args, name, str(beside))
     if not args.resume:
         return args, {}
     resume = Path(args.resume)
@@ -1154,9 +1179,13 @@ class Run:
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:
+        if self.rank == 0:  # and checkpoints/last, a link to it
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
+            link = path.with_name(".tmp-last")
+            link.unlink(missing_ok=True)
+            link.symlink_to(path.name)
+            os.replace(link, path.with_name("last"))
         self.barrier()
         return path
 
@@ -1219,6 +1248,8 @@ class Run:
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        for note in getattr(args, "notes", []):  # (check_common's)
+            self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
@@ -1239,8 +1270,8 @@ class Run:
         signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
-        if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
+        if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
+            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
 
     def steps(self, measure, save):
         """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
@@ -1314,18 +1345,17 @@ class Run:
 
 def command_line(Args, main) -> None:
     """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
+    flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
-        stop = main(tyro.cli(Args))["interrupted"]
+        stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
         if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
-        tb = e.__traceback__
-        while tb.tb_next:
-            tb = tb.tb_next
-        if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
+        if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
             raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 

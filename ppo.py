@@ -18,13 +18,14 @@ Run:
 Deviations (why, and the measurements: docs/ppo.md):
 - The value model is a separate network (as N+) with a zero scalar head, so V = 0 at the start.
 - Defaults fit the embedded 0.9M-parameter model: 2 epochs, lr 1e-4 (value 1e-3), fixed beta 0.05, k1.
-- --target-kl stops a step's epochs early (as CleanRL); --kl-controller step moves beta by 1.5 (the PPO paper: 2).
+- --early-stop-kl stops a step's epochs early (as CleanRL); --kl-controller step moves beta by 1.5 (the PPO paper: 2).
 - Log-probs are of softmax(logits / T), the distribution sampled from (N+); advantages are whitened per process.
 - With --lora-r both models get adapters and the reference is the policy with its adapters off.
 """
 
 import contextlib
 import copy
+import inspect
 import math
 import json
 import os
@@ -34,7 +35,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, make_dataclass
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -54,153 +55,165 @@ from rewards import DEFAULT_SPEC, make_reward
 
 
 @dataclass
-class Args:
-    # --- algorithm
+class Algorithm:
     num_generations: int = 1
     """completions sampled per prompt"""
     prompts_per_step: int = 128
-    """prompts per training step, over all processes"""
+    """prompts per step, over all processes"""
     max_completion_length: int = 40
-    """most new tokens per completion (also in evaluation)"""
+    """most new tokens per completion (also in eval)"""
     temperature: float = 0.7
-    """sampling temperature (log-probs are of the tempered distribution)"""
+    """sampling temperature (log-probs are tempered too)"""
     reward: str = DEFAULT_SPEC
-    """reward spec (rewards.make_reward): `name:weight,...` or a JSON file"""
+    """reward functions name:weight,... (rewards.py) or a JSON file"""
     center_scores_per_prompt: bool = False
-    """subtract each prompt's mean score (for Bradley-Terry rewards; needs G >= 2)"""
+    """subtract each prompt's mean score (Bradley-Terry rewards; needs --num-generations > 1)"""
     gold_reward: Optional[str] = None
-    """a reward spec logged as rewards/gold, never trained on (what a learned --reward stands in for)"""
+    """a reward logged as rewards/gold, not trained on (what a learned --reward approximates)"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a completion without EOS"""
     beta: float = 0.05
-    """KL coefficient of the per-token reward -beta KL_t (the controllers' start value)"""
+    """weight of the per-token KL penalty in the reward (a controller's start)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """per-token estimator of KL(pi || pi_ref), http://joschu.net/blog/kl-approx.html"""
+    """per-token KL estimator, http://joschu.net/blog/kl-approx.html"""
     kl_controller: Literal["fixed", "adaptive", "step"] = "fixed"
-    """fixed; adaptive (Ziegler et al. Sec. 2.2) or step (x or / 1.5), both need --kl-target"""
-    kl_target: float = 0.0
-    """the controllers' target KL per completion (summed over its tokens)"""
+    """fixed, or move beta toward --kl-controller-target: gradually (adaptive) or x or / 1.5 (step)"""
+    kl_controller_target: float = 0.0
+    """KL per completion (sum over its tokens) that --kl-controller steers toward"""
     kl_horizon: int = 10000
     """adaptive controller's horizon, in completions"""
     gamma: float = 1.0
     """discount factor"""
     lam: float = 0.95
-    """GAE lambda"""
+    """lambda of advantage estimation (GAE; 1: whole returns)"""
     whiten_advantages: bool = True
-    """whiten advantages: mean 0, std 1 over the batch's real tokens"""
+    """advantages to mean 0, std 1 over the batch's tokens"""
     whiten_rewards: bool = False
-    """scale per-token rewards to std 1 (mean kept) before GAE"""
+    """per-token rewards to std 1 (mean kept) before GAE"""
     num_ppo_epochs: int = 2
     """passes over each batch of rollouts"""
     num_mini_batches: int = 1
     """mini-batches per pass, one update each"""
     clip_low: float = 0.2
-    """ratio clipped below at 1 - clip_low"""
+    """probability ratio clipped below at 1 - this"""
     clip_high: float = 0.2
-    """ratio clipped above at 1 + clip_high"""
+    """probability ratio clipped above at 1 + this"""
     cliprange_value: float = 0.2
-    """values clipped to V_old +- this"""
+    """values clipped to within this of the rollout's"""
     vf_coef: float = 0.1
     """weight of the value loss"""
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
-    target_kl: Optional[float] = None
-    """stop a step's epochs once an epoch's mean approx. KL(pi_old || pi) exceeds this (None: never)"""
+    early_stop_kl: Optional[float] = None
+    """end a step's epochs once one's mean KL to the rollout policy exceeds this (None: never)"""
     importance_sampling_cap: Optional[float] = None
-    """TIS (truncated importance sampling): loss x min(pi_old / pi_sampler, cap) per token (None: off)"""
+    """cap on the per-token loss weight p_old / p_sampler (sampler numerics differ; None: off)"""
 
-    # --- model / data
+
+@dataclass
+class ModelData:
     model_name_or_path: str = "models/tiny-arith"
-    """folder or hub id of the causal LM and its tokenizer"""
+    """folder or hub id of the model and its tokenizer"""
     value_model_name_or_path: Optional[str] = None
     """folder or hub id of the value model's backbone (None: the policy's)"""
     value_model_layers: int = 0
     """keep the value model's first N decoder layers (0: all)"""
     dataset: str = "data/arith"
-    """folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    """folder of <split>.jsonl files, a JSON-lines file, or a hub dataset id"""
     dataset_split: str = "train"
-    """split with the training prompts"""
+    """split of training prompts"""
     eval_split: Optional[str] = "test"
-    """split with prompts and answers for greedy accuracy (None: no eval)"""
+    """split of prompts and answers for greedy accuracy (None: none)"""
     prompt_column: str = "prompt"
-    """prompt column (text, or chat messages with --use-chat-template)"""
+    """prompt column: text, or chat messages (--use-chat-template)"""
     answer_column: str = "answer"
-    """reference answer column; rewards receive it as `answer`"""
+    """reference answer column (`answer` to rewards)"""
     use_chat_template: bool = False
-    """wrap each prompt in the tokenizer's chat template"""
+    """wrap prompts in the tokenizer's chat template"""
     max_prompt_length: int = 256
-    """prompts longer than this many tokens keep their last tokens"""
+    """longer prompts keep their last tokens"""
     eval_limit: int = 500
-    """evaluate on at most this many examples"""
+    """at most this many eval examples"""
     lora_r: int = 0
-    """rank of LoRA adapters on each linear layer of both models (0: train all weights)"""
+    """LoRA (low-rank adapter) rank on each linear layer of both models (0: off)"""
     lora_alpha: float = 32.0
-    """LoRA scaling numerator (update x alpha / r)"""
+    """LoRA scale: the update is x alpha / r"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
 
-    # --- optimisation
+
+@dataclass
+class Optimisation:
     learning_rate: float = 1e-4
     """peak learning rate of the policy"""
     value_learning_rate: float = 1e-3
     """peak learning rate of the value model"""
     total_steps: int = 300
-    """training steps (batches of rollouts); may change on --resume"""
+    """training steps (rollout batches); may change on --resume"""
     pause_at_step: int = 0
     """stop after this step with a checkpoint, as Ctrl-C does (0: never)"""
     micro_batch_size: int = 0
-    """completions per forward/backward pass (0: largest divisor of the mini-batch up to 128)"""
+    """completions per forward/backward pass (0: the mini-batch's largest divisor up to 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """after warmup: cosine or linear decay to 0 at the last step, or constant"""
+    """after warmup: cosine or linear decay to 0, or constant"""
     warmup_steps: int = 30
     """linear warmup steps"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping by global norm, each model on its own"""
+    """gradient clipping by global norm, per model"""
 
-    # --- logging / checkpointing
+
+@dataclass
+class Logging:
     log_every: int = 1
     """steps between rows of metrics.jsonl"""
     eval_every: int = 50
-    """steps between greedy evaluations (0: only at start and end)"""
+    """steps between evaluations (0: at start and end)"""
     save_every: int = 0
-    """steps between checkpoints (0: at the end and when stopped)"""
+    """steps between checkpoints (0: at the end or a stop)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint every this many minutes (0: off): a killed run loses no more"""
+    """also save every this many minutes (0: off)"""
     resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with the run's own arguments"""
+    """runs/<run>/checkpoints/step_N to continue, with the run's arguments"""
     num_sample_completions: int = 8
-    """completions per logging step in the --track table"""
+    """completions per log step in the --track table"""
     output_dir: str = "runs"
-    """where run directories are created"""
+    """parent of run directories"""
     run_dir: Optional[str] = None
-    """the run directory, if not <output-dir>/<dataset>__<exp-name>__<seed>__<unix time>; must not exist"""
+    """a new run directory (None: one in --output-dir)"""
 
-    # --- engineering / experiment
+
+@dataclass
+class Engineering:
     device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
+    """cuda, cpu, or auto (cuda if available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto = float32 weights with bfloat16 autocast on CUDA"""
+    """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
     generation_backend: Literal["auto", "shared", "static", "copy"] = "auto"
-    """auto: on CUDA copy (--dtype auto) or static (bfloat16), else shared; shared: each prompt prefilled once;
-    static: a static KV cache; copy: static, on a bfloat16 weight copy rewritten before each rollout"""
+    """auto: on CUDA copy (--dtype auto) or static (bfloat16), else shared; shared: one prefill per prompt;
+    static: static KV cache; copy: static on a bfloat16 weight copy"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
+    """recompute activations in the backward pass"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and optimiser states (FSDP2) instead of DDP"""
+    """under torchrun, shard weights, gradients, optimiser states (FSDP2), not DDP"""
     exp_name: str = "ppo"
-    """experiment name, part of the run directory name"""
+    """part of the run directory's name"""
     seed: int = 1
-    """seed of python, numpy, torch and the data order"""
+    """seed of the RNGs and the data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
+    """W&B project"""
     wandb_entity: Optional[str] = None
-    """Weights & Biases team or user"""
+    """W&B team or user"""
     run_name: tyro.conf.Suppress[str] = ""
-    """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
+    """set at run time"""
+
+
+@dataclass
+class Args(Engineering, Logging, Optimisation, ModelData, Algorithm):
+    pass
 
 
 # ---- the algorithm
@@ -549,10 +562,10 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
             norms = [torch.nn.utils.clip_grad_norm_(g["params"], args.max_grad_norm) for g in optimizer.param_groups]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if args.target_kl is not None:  # every process sees the same KL, so all stop together
+        if args.early_stop_kl is not None:  # every process sees the same KL, so all stop together
             if dist.is_initialized():
                 dist.all_reduce(epoch_kl)
-            if float(epoch_kl[0] / epoch_kl[1]) > args.target_kl:
+            if float(epoch_kl[0] / epoch_kl[1]) > args.early_stop_kl:
                 break
     return {**sums, "grad_norm": float(norms[0]), "value_grad_norm": float(norms[1]), "ppo_epochs": epoch + 1}
 
@@ -677,7 +690,7 @@ def main(args: Args) -> dict:
     lr_anchor = None  # set by a resume changing --total-steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
-    kl_ctl = KLController(args.kl_controller, args.beta, args.kl_target, args.kl_horizon)
+    kl_ctl = KLController(args.kl_controller, args.beta, args.kl_controller_target, args.kl_horizon)
     order = DataOrder(len(data["ids"]), args.seed * 1000 + run.rank)
     state = run.restore(model, optimizer, scheduler)
     if state:
@@ -773,21 +786,24 @@ def check_args(args: Args) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_process = args.prompts_per_step // world * args.num_generations
     works = max(d for d in range(1, args.num_mini_batches + 1) if per_process % d == 0)
+    if args.pause_at_step >= args.total_steps and not args.resume:  # a shortened run pauses halfway
+        args.notes.append(f"--pause-at-step {args.pause_at_step} >= --total-steps: pausing at {args.total_steps // 2}")
+        args.pause_at_step = args.total_steps // 2
     for bad, message in (
             (args.value_model_layers > blocks, f"--value-model-layers: use 0 (all) to {blocks}, its decoder layers"),
-            (args.pause_at_step >= args.total_steps, "--pause-at-step must be before --total-steps (or 0: never)"),
             (args.center_scores_per_prompt and args.num_generations < 2,
              "--center-scores-per-prompt needs several completions of a prompt: --num-generations 2 or more"),
             (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
             (per_process % args.num_mini_batches, f"--num-mini-batches must divide each process's {per_process} "
                                                   f"completions: use --num-mini-batches {works}"),
-            (args.kl_controller != "fixed" and not (args.kl_target > 0 and args.beta > 0),
-             f"--kl-controller {args.kl_controller} needs a positive --kl-target (e.g. 1.0) and --beta"),
+            (args.kl_controller != "fixed" and not (args.kl_controller_target > 0 and args.beta > 0),
+             f"--kl-controller {args.kl_controller} needs a positive --kl-controller-target (e.g. 1.0) and --beta"),
             (not (0 <= args.clip_low <= 1 and 0 <= args.gamma <= 1 and 0 <= args.lam <= 1),
              "need 0 <= --clip-low, --gamma, --lam <= 1"),
             (args.importance_sampling_cap is not None and args.importance_sampling_cap < 1,
              "--importance-sampling-cap must be >= 1 (or None: off)"),
-            (args.target_kl is not None and args.target_kl <= 0, "--target-kl must be positive (or None: never)")):
+            (args.early_stop_kl is not None and args.early_stop_kl <= 0,
+             "--early-stop-kl must be positive (or None: never)")):
         if bad:
             raise ValueError(message)
     return fit_micro_batch(args.micro_batch_size, per_process // args.num_mini_batches, "each mini-batch")
@@ -979,7 +995,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             try:
                 rows += [json.loads(line)] if line.strip() else []
             except json.JSONDecodeError as e:
-                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}") from None
+                raise ValueError(f"{file}, line {i}: not valid JSON at column {e.colno}: {e.msg}{skip}") from None
             if rows and not isinstance(rows[-1], dict):
                 raise ValueError(f"{file}, line {i}: expected a JSON object, got {type(rows[-1]).__name__}{skip}")
         if not rows:
@@ -993,10 +1009,12 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
         try:
             ds = load_dataset(args.dataset, split=split)
         except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e}") from None
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
+                             "has it; or pass a folder of <split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
-        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
+        where = file if path.is_file() else f"split '{split}'"
+        raise ValueError(f"{where} has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}{skip})")
     if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
@@ -1037,6 +1055,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
+    args.notes = []  # notices printed once every check has passed (Run.__enter__)
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -1046,13 +1065,18 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA GPU; use --device cpu or auto")
     for name in model_paths:
-        if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json")
+        flag = "--" + next(k for k, v in vars(args).items() if v == name).replace("_", "-")
+        try:
+            local = check_local_or_hub("model", name)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+        if local and not (Path(name).expanduser() / "config.json").exists():
+            raise ValueError(f"{flag} '{name}' is not a model folder: it has no config.json")
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps:  # else the learning rate never leaves warmup
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        if args.warmup_steps != type(args)().warmup_steps:
+            args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
@@ -1096,6 +1120,10 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 def resume_args(args, may_change: tuple[str, ...]):
     """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset"):  # run from another folder: a path that is beside this file
+        beside = Path(__file__).parent / getattr(args, name)
+        if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
+            setattr(args, name, str(beside))
     if not args.resume:
         return args, {}
     resume = Path(args.resume)
@@ -1273,9 +1301,13 @@ class Run:
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:
+        if self.rank == 0:  # and checkpoints/last, a link to it
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
+            link = path.with_name(".tmp-last")
+            link.unlink(missing_ok=True)
+            link.symlink_to(path.name)
+            os.replace(link, path.with_name("last"))
         self.barrier()
         return path
 
@@ -1338,6 +1370,8 @@ class Run:
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        for note in getattr(args, "notes", []):  # (check_common's)
+            self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
@@ -1358,8 +1392,8 @@ class Run:
         signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
-        if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
+        if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
+            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
 
     def steps(self, measure, save):
         """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
@@ -1433,18 +1467,17 @@ class Run:
 
 def command_line(Args, main) -> None:
     """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
+    flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
-        stop = main(tyro.cli(Args))["interrupted"]
+        stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
         if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
-        tb = e.__traceback__
-        while tb.tb_next:
-            tb = tb.tb_next
-        if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
+        if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
             raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 

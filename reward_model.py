@@ -24,6 +24,7 @@ Deviations (why, and the measurements: docs/reward_model.md):
 import contextlib
 import copy
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -34,7 +35,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, make_dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -51,43 +52,45 @@ from rewards import make_reward
 
 
 @dataclass
-class Args:
-    # --- algorithm
+class Algorithm:
     center_rewards_coef: float = 0.0
-    """c of c (r_c + r_r)^2 in the loss: scores near 0 (0: off; TRL suggests 0.01)"""
+    """weight of a loss on the pair's score sum squared: scores near 0 (0: off; TRL suggests 0.01)"""
     margin_column: Optional[str] = None
-    """training split's column of a margin m >= 0 per pair (Llama 2's -log sigmoid(r_c - r_r - m))"""
+    """column of a per-pair margin >= 0 the chosen score must exceed the other's by (Llama 2)"""
     tie_strength: float = 0.0
-    """Davidson's nu > 0: pairs whose column `tie` is true pull their scores together (0: Bradley-Terry)"""
+    """strength > 0 with which pairs marked `tie` pull their scores together (Davidson; 0: off)"""
     tie_start_step: int = 0
     """the ties train only after this step"""
     ranking_column: Optional[str] = None
-    """column of a pair's ranking of K (column `k`) responses: a ranking is one batch element (--batch-size counts
-    rankings), each pair weighted 1/C(K,2) (Eq. 1)"""
+    """column of a ranking of K responses (K in column `k`): one batch element (--batch-size counts rankings),
+    its pairs weighted 1/C(K,2)"""
     comparisons: int = 0
-    """K >= 2: make the pairs (Sec. 3.5) from K samples of --policy per prompt, ranked by --labeler (0: read pairs)"""
+    """K >= 2: make pairs from K samples of --policy per prompt, ranked by --labeler (0: read pairs)"""
     comparison_rankings: bool = True
-    """train --comparisons as rankings (Eq. 1); --no-comparison-rankings: as independent pairs"""
+    """train --comparisons as rankings; --no-comparison-rankings: as independent pairs"""
     comparison_prompts: int = 2000
     """prompts of --dataset-split to sample --comparisons for"""
     policy: Optional[str] = None
     """the model --comparisons samples (None: --model-name-or-path)"""
     labeler: str = "correctness"
-    """rewards.make_reward spec ranking each prompt's K samples (equal scores: a tie)"""
+    """reward (rewards.py) that ranks each prompt's K samples (equal scores: a tie)"""
     temperature: float = 0.7
-    """--comparisons sample softmax(logits / T)"""
+    """sampling temperature of --comparisons"""
     max_completion_length: int = 40
     """longest completion --comparisons samples, in tokens"""
 
-    # --- model / data
+
+
+@dataclass
+class ModelData:
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or Hugging Face id of the causal LM (or reward model) to start from, and its tokenizer"""
+    """folder or hub id of the LM or reward model to start from, and its tokenizer"""
     dataset: str = "data/arith"
-    """local folder of `<split>.jsonl` files, a JSON-lines file, or a Hugging Face dataset id"""
+    """folder of <split>.jsonl files, a JSON-lines file, or a hub id"""
     dataset_split: str = "prefs"
-    """split with the training pairs (prefs: train if a folder has no prefs.jsonl)"""
+    """split of training pairs (prefs: train if a folder has no prefs.jsonl)"""
     eval_split: Optional[str] = "prefs_test"
-    """split with held-out pairs for eval/pref_accuracy (None: no eval)"""
+    """split of held-out pairs for eval/pref_accuracy (None: no eval)"""
     prompt_column: str = "prompt"
     """column holding the prompt"""
     chosen_column: str = "chosen"
@@ -97,23 +100,26 @@ class Args:
     max_length: int = 128
     """longest prompt + response in tokens; longer pairs are dropped"""
     eval_limit: int = 500
-    """evaluate on at most this many held-out pairs"""
+    """at most this many eval examples"""
     lora_r: int = 0
-    """rank of LoRA adapters on every linear layer (0: no LoRA; the score head trains in full); needs peft"""
+    """LoRA (low-rank adapter) rank on each linear layer (0: off; the score head trains in full); needs peft"""
     lora_alpha: float = 32.0
-    """LoRA's alpha (the update is scaled by alpha / r)"""
+    """LoRA scale: the update is x alpha / r"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
 
-    # --- optimisation
+
+
+@dataclass
+class Optimisation:
     learning_rate: float = 1e-3
     """peak learning rate of AdamW"""
     total_steps: int = 300
     """optimiser steps (300: 4.8 epochs of the embedded pairs); may change on --resume"""
     batch_size: int = 64
-    """preference pairs per optimiser step (over all processes)"""
+    """pairs per optimiser step, over all processes"""
     micro_batch_size: int = 0
-    """pairs per forward/backward pass (0: the largest divisor up to 128)"""
+    """pairs per forward/backward (0: the largest divisor <= 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """after warmup: decay to 0, or constant"""
     warmup_steps: int = 10
@@ -123,45 +129,56 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
 
-    # --- logging / checkpointing
+
+
+@dataclass
+class Logging:
     log_every: int = 10
     """steps between rows of metrics.jsonl"""
     eval_every: int = 100
-    """steps between held-out evaluations (0: only at start and end)"""
+    """steps between evaluations (0: at start and end)"""
     save_every: int = 0
-    """steps between checkpoints (0: at the end and when stopped)"""
+    """steps between checkpoints (0: at the end or a stop)"""
     save_every_minutes: float = 30.0
-    """also a checkpoint every this many minutes (0: off), so a killed run loses no more"""
+    """also save every this many minutes (0: off)"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue"""
 
-    # --- engineering / experiment
+
+
+@dataclass
+class Engineering:
     pack_pairs: bool = True
-    """one row per pair, the shared prefix once (plain rows if the model fails a check)"""
+    """a pair per row, the shared prefix once (plain rows if the model fails a check)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states (FSDP2), not DDP"""
+    """under torchrun, shard weights, gradients, AdamW states (FSDP2), not DDP"""
     device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
+    """cuda, cpu, or auto (cuda if available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
     exp_name: str = "reward_model"
     """part of the run directory's name"""
     seed: int = 1
-    """seed of every RNG and of the data order"""
+    """seed of the RNGs and the data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
+    """W&B project"""
     wandb_entity: Optional[str] = None
-    """Weights & Biases team or user"""
+    """W&B team or user"""
     output_dir: str = "runs"
-    """where run directories are created"""
+    """parent of run directories"""
     run_dir: Optional[str] = None
-    """the run directory itself, not <output-dir>/<run name>; must not exist"""
+    """a new run directory (None: one in --output-dir)"""
     run_name: tyro.conf.Suppress[str] = ""
-    """set at run time: {dataset}__{exp_name}__{seed}__{time}"""
+    """set at run time"""
+
+
+@dataclass
+class Args(Engineering, Logging, Optimisation, ModelData, Algorithm):
+    pass
 
 
 # ---- the algorithm
@@ -540,6 +557,12 @@ def comparison_data(args, run, tokenizer):
         if run.rank == 0 and flag in splits and not path.exists():
             rows = policy_comparisons(args, tokenizer, splits[flag].take(limit), run.device, run.progress,
                                       ties=flag == "dataset_split" and args.tie_strength > 0)
+            if all(r.get("tie") for r in rows):
+                raise ValueError(f"--comparisons {args.comparisons}: every sample of each of {limit} prompts of split "
+                                 f"'{getattr(args, flag)}' got the same grade from --labeler, so none can be ranked "
+                                 "(a policy that is never right, or never wrong): start from a policy that is right "
+                                 "some of the time, or sample more (" + ("--comparison-prompts, " if "data" in flag else
+                                 "--eval-limit, ") + "--comparisons, --temperature)")
             run.dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -742,6 +765,8 @@ def main(args: Args) -> dict:
         if run.rank == 0 and not run.stop:
             merged = copy.deepcopy(model).merge_and_unload() if args.lora_r else model
             texts = [t for texts, _, _ in pairs for t in texts] if rankings else [p[0] for p in pairs if not p[3]]
+            if len(set(map(tuple, texts))) < 2:  # one chosen text (the rest ties): every text of the pairs
+                texts = [t for p in pairs for t in p[:2]]
             chosen = score_sequences(merged, texts, pad_id, device, autocast, progress=run.progress)
             stats = {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
             final.update({f"final/{k}": v for k, v in stats.items()})
@@ -753,6 +778,9 @@ def main(args: Args) -> dict:
     final_dir = run.dir / "final"
     notes = (f"reward statistics for ppo.py: {', '.join(f'{k} {v:.4g}' for k, v in stats.items())} (saved in "
              f"{final_dir}/config.json); `ppo.py --reward {final_dir / 'reward.json'}` scores with it",)
+    if stats and not stats["reward_std"] > 1e-6:  # (nan: one text)
+        notes += ("warning: the reward model scores every training text alike, so ppo.py cannot whiten its scores "
+                  "(normalize): train it on more comparisons (--comparison-prompts) or for more steps",)
     out = run.finish(final, measure, save, final_model, tokenizer, notes=notes * bool(stats))
     if run.rank == 0 and not out["interrupted"]:  # the spec of rewards.make_reward that scores with it, whitened
         spec = {"type": "reward_model", "model": str(final_dir.resolve()), "normalize": True}
@@ -777,9 +805,12 @@ def check_args(args: Args) -> int:
         raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")
     if args.tie_strength and args.margin_column:
         raise ValueError("--tie-strength with --margin-column: a tie has no margin; drop one of them")
-    if args.tie_start_step and not (args.tie_strength and args.tie_start_step < args.total_steps):
-        raise ValueError(f"--tie-start-step {args.tie_start_step}: the ties would never train; it needs --tie-strength "
-                         f"> 0 and a step before --total-steps {args.total_steps}")
+    if args.tie_start_step and not args.tie_strength:
+        raise ValueError(f"--tie-start-step {args.tie_start_step}: the ties would never train; pass --tie-strength 1")
+    if args.tie_start_step >= args.total_steps and not args.resume:  # a shortened run: 80% as the recipe's 800 of 1000
+        args.notes.append(f"--tie-start-step {args.tie_start_step} >= --total-steps: the ties start after step "
+                         f"{args.total_steps * 4 // 5}")
+        args.tie_start_step = args.total_steps * 4 // 5
     if args.comparisons:
         if args.comparisons < 2 or args.margin_column or args.ranking_column:
             raise ValueError(f"--comparisons {args.comparisons}: " + (
@@ -877,7 +908,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             try:
                 rows += [json.loads(line)] if line.strip() else []
             except json.JSONDecodeError as e:
-                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}") from None
+                raise ValueError(f"{file}, line {i}: not valid JSON at column {e.colno}: {e.msg}{skip}") from None
             if rows and not isinstance(rows[-1], dict):
                 raise ValueError(f"{file}, line {i}: expected a JSON object, got {type(rows[-1]).__name__}{skip}")
         if not rows:
@@ -891,10 +922,12 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
         try:
             ds = load_dataset(args.dataset, split=split)
         except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e}") from None
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
+                             "has it; or pass a folder of <split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
-        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
+        where = file if path.is_file() else f"split '{split}'"
+        raise ValueError(f"{where} has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}{skip})")
     if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
@@ -935,6 +968,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
+    args.notes = []  # notices printed once every check has passed (Run.__enter__)
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -944,13 +978,18 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA GPU; use --device cpu or auto")
     for name in model_paths:
-        if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json")
+        flag = "--" + next(k for k, v in vars(args).items() if v == name).replace("_", "-")
+        try:
+            local = check_local_or_hub("model", name)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+        if local and not (Path(name).expanduser() / "config.json").exists():
+            raise ValueError(f"{flag} '{name}' is not a model folder: it has no config.json")
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps:  # else the learning rate never leaves warmup
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        if args.warmup_steps != type(args)().warmup_steps:
+            args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
@@ -986,6 +1025,10 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 def resume_args(args, may_change: tuple[str, ...]):
     """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset"):  # run from another folder: a path that is beside this file
+        beside = Path(__file__).parent / getattr(args, name)
+        if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
+            setattr(args, name, str(beside))
     if not args.resume:
         return args, {}
     resume = Path(args.resume)
@@ -1163,9 +1206,13 @@ class Run:
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:
+        if self.rank == 0:  # and checkpoints/last, a link to it
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
+            link = path.with_name(".tmp-last")
+            link.unlink(missing_ok=True)
+            link.symlink_to(path.name)
+            os.replace(link, path.with_name("last"))
         self.barrier()
         return path
 
@@ -1228,6 +1275,8 @@ class Run:
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        for note in getattr(args, "notes", []):  # (check_common's)
+            self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
@@ -1248,8 +1297,8 @@ class Run:
         signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
-        if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
+        if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
+            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
 
     def steps(self, measure, save):
         """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
@@ -1323,18 +1372,17 @@ class Run:
 
 def command_line(Args, main) -> None:
     """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
+    flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
-        stop = main(tyro.cli(Args))["interrupted"]
+        stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
         if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
-        tb = e.__traceback__
-        while tb.tb_next:
-            tb = tb.tb_next
-        if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
+        if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
             raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 

@@ -1,5 +1,6 @@
 """Supervised fine-tuning (SFT), the first stage of RLHF (InstructGPT, arXiv:2203.02155, Sec. 3.5): maximise the
-log-likelihood of demonstration completions given their prompts (prompt and padding masked out of the loss),
+log-likelihood of demonstration completions given their prompts (prompt and padding masked out of the loss).
+
     L(theta) = - sum_t log pi_theta(y_t | x, y_<t) / (number of completion tokens in the step).
 It made models/tiny-arith. Details: docs/sft.md.
 
@@ -11,6 +12,7 @@ Run:
 Choice: --packing does not block attention between packed examples (TRL's simple packing).
 """
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -20,7 +22,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, make_dataclass
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -35,46 +37,49 @@ from transformers.utils import logging as hf_logging
 
 
 @dataclass
-class Args:
-    # --- algorithm
+class Algorithm:
     max_length: int = 64
-    """longest prompt + completion in tokens (longer completions are cut)"""
+    """most tokens of prompt + completion (longer completions are cut)"""
     packing: bool = False
-    """concatenate examples into full rows of --max-length"""
+    """concatenate examples into full rows"""
 
-    # --- model / data
+
+@dataclass
+class ModelData:
     model_name_or_path: str = "models/tiny-arith"
-    """local folder or hub id of the causal LM and its tokenizer"""
+    """folder or hub id of the model and its tokenizer"""
     model_config: Optional[str] = None
-    """config JSON of a fresh, random model to train"""
+    """config JSON of a new, random model"""
     tokenizer_name_or_path: Optional[str] = None
-    """tokenizer folder or id (default: the model's)"""
+    """tokenizer folder or id (None: the model's)"""
     dataset: str = "data/arith"
-    """folder of <split>.jsonl files, a JSON-lines file, or a hub dataset id"""
+    """folder of <split>.jsonl files, a JSON-lines file, or hub id"""
     dataset_split: str = "sft"
-    """split with prompts and completions"""
+    """split of prompts and completions"""
     eval_split: Optional[str] = "test"
-    """split with prompts and answers for greedy accuracy (None: no eval)"""
+    """split of prompts and answers for greedy accuracy (None: none)"""
     prompt_column: str = "prompt"
     """column of prompts"""
     completion_column: str = "completion"
-    """column of demonstration completions"""
+    """column of demonstrations"""
     answer_column: str = "answer"
     """column of eval answers"""
     eval_limit: int = 500
-    """at most this many eval prompts"""
+    """most eval prompts"""
     max_new_tokens: int = 48
     """tokens generated per eval prompt"""
 
-    # --- optimisation
+
+@dataclass
+class Optimisation:
     learning_rate: float = 3e-4
     """peak AdamW learning rate"""
     total_steps: int = 100
     """optimiser steps (may change on --resume)"""
     batch_size: int = 64
-    """rows per optimiser step, over all processes"""
+    """rows per step, all processes"""
     gradient_accumulation_steps: int = 1
-    """micro-batches per optimiser step"""
+    """micro-batches per step"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """decay after warmup"""
     warmup_steps: int = 10
@@ -84,45 +89,54 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
 
-    # --- logging / checkpointing
-    log_every: int = 10
-    """steps between rows of metrics.jsonl"""
-    eval_every: int = 100
-    """steps between evaluations (0: at start and end only)"""
-    save_every: int = 0
-    """steps between checkpoints (0: at the end and when stopped)"""
-    save_every_minutes: float = 30.0
-    """also a checkpoint after this many minutes (0: off)"""
-    resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue (with the run's arguments)"""
-    final_dir: Optional[str] = None
-    """also copy final/ here (e.g. models/tiny-arith)"""
 
-    # --- engineering / experiment
+@dataclass
+class Logging:
+    log_every: int = 10
+    """steps per row of metrics.jsonl"""
+    eval_every: int = 100
+    """steps per evaluation (0: first and last)"""
+    save_every: int = 0
+    """steps between saves (0: at the end or a stop)"""
+    save_every_minutes: float = 30.0
+    """also save every this many minutes (0: off)"""
+    resume: Optional[str] = None
+    """runs/<run>/checkpoints/step_N to continue"""
+    final_dir: Optional[str] = None
+    """also copy final/ here"""
+
+
+@dataclass
+class Engineering:
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass"""
+    """recompute activations in backward"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients and AdamW states (FSDP2), not DDP"""
+    """under torchrun, shard the model and AdamW (FSDP2), not copy (DDP)"""
     device: str = "auto"
-    """cuda, cpu, or auto (cuda when available)"""
+    """cuda, cpu, or auto (cuda if available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
+    """weights dtype; auto: float32, bfloat16 autocast on CUDA"""
     exp_name: str = "sft"
-    """experiment name, part of the run directory's"""
+    """part of the run directory's name"""
     seed: int = 1
-    """seed of the RNGs and the data order"""
+    """seed of the RNGs and data order"""
     output_dir: str = "runs"
-    """where run directories are created"""
+    """parent of run directories"""
     run_dir: Optional[str] = None
-    """a new run directory, not <output-dir>/<dataset>__<exp-name>__<seed>__<time>"""
+    """a new run directory (None: one in --output-dir)"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
-    """Weights & Biases project"""
+    """W&B project"""
     wandb_entity: Optional[str] = None
-    """Weights & Biases team or user"""
+    """W&B team or user"""
     run_name: tyro.conf.Suppress[str] = ""
     """set at run time"""
+
+
+@dataclass
+class Args(Engineering, Logging, Optimisation, ModelData, Algorithm):
+    pass
 
 # ---- the algorithm
 
@@ -384,7 +398,7 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             try:
                 rows += [json.loads(line)] if line.strip() else []
             except json.JSONDecodeError as e:
-                raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg} at column {e.colno}){skip}") from None
+                raise ValueError(f"{file}, line {i}: not valid JSON at column {e.colno}: {e.msg}{skip}") from None
             if rows and not isinstance(rows[-1], dict):
                 raise ValueError(f"{file}, line {i}: expected a JSON object, got {type(rows[-1]).__name__}{skip}")
         if not rows:
@@ -398,10 +412,12 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
         try:
             ds = load_dataset(args.dataset, split=split)
         except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e}") from None
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
+                             "has it; or pass a folder of <split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
-        raise ValueError(f"split '{split}' has no column {missing}; available columns: {ds.column_names} (choose with "
+        where = file if path.is_file() else f"split '{split}'"
+        raise ValueError(f"{where} has no column {missing}; available columns: {ds.column_names} (choose with "
                          f"{column_flags}{skip})")
     if path.is_file() and any("eval" in f for f in splits):
         if len(ds) < 2:
@@ -442,6 +458,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
+    args.notes = []  # notices printed once every check has passed (Run.__enter__)
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -451,13 +468,18 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA GPU; use --device cpu or auto")
     for name in model_paths:
-        if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
-            raise ValueError(f"'{name}' is not a model folder: it has no config.json")
+        flag = "--" + next(k for k, v in vars(args).items() if v == name).replace("_", "-")
+        try:
+            local = check_local_or_hub("model", name)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+        if local and not (Path(name).expanduser() / "config.json").exists():
+            raise ValueError(f"{flag} '{name}' is not a model folder: it has no config.json")
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps:  # else the learning rate never leaves warmup
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"--warmup-steps {args.warmup_steps} >= --total-steps: warming up for {args.total_steps // 10}")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        if args.warmup_steps != type(args)().warmup_steps:
+            args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
@@ -492,6 +514,10 @@ def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
 
 def resume_args(args, may_change: tuple[str, ...]):
     """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset"):  # run from another folder: a path that is beside this file
+        beside = Path(__file__).parent / getattr(args, name)
+        if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
+            setattr(args, name, str(beside))
     if not args.resume:
         return args, {}
     resume = Path(args.resume)
@@ -669,9 +695,13 @@ class Run:
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:
+        if self.rank == 0:  # and checkpoints/last, a link to it
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
+            link = path.with_name(".tmp-last")
+            link.unlink(missing_ok=True)
+            link.symlink_to(path.name)
+            os.replace(link, path.with_name("last"))
         self.barrier()
         return path
 
@@ -734,6 +764,8 @@ class Run:
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
+        for note in getattr(args, "notes", []):  # (check_common's)
+            self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
@@ -754,8 +786,8 @@ class Run:
         signal.signal(signal.SIGINT, signal.default_int_handler if quit_at_once else self.previous[0])
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
-        if kind and self.rank == 0 and not self.args.resume and not self.steps_done:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failed start leaves no run directory
+        if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
+            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
 
     def steps(self, measure, save):
         """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
@@ -829,18 +861,17 @@ class Run:
 
 def command_line(Args, main) -> None:
     """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
+    flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
-        stop = main(tyro.cli(Args))["interrupted"]
+        stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
         if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
-        tb = e.__traceback__
-        while tb.tb_next:
-            tb = tb.tb_next
-        if Path(tb.tb_frame.f_code.co_filename).resolve().parent != Path(__file__).resolve().parent:
+        if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
             raise  # raised inside a library: the traceback says where
         sys.exit(f"error: {e}")
 

@@ -94,7 +94,7 @@ def interrupted_run(cmd: list[str], tmp_path, sig: int = 2) -> tuple:
     returncode, rest = interrupt_at_step_2(cmd, sig=sig)
     assert returncode == 128 + sig, rest
     (run,) = Path(tmp_path).iterdir()
-    (ckpt,) = (run / "checkpoints").iterdir()
+    (ckpt,) = (run / "checkpoints").glob("step_*")
     assert rest.rstrip().splitlines()[-1] == f"interrupted: saved {ckpt}; continue with --resume {ckpt}", rest
     return run, ckpt, rest
 

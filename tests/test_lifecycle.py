@@ -161,7 +161,7 @@ def test_sigterm_in_the_first_evaluation_cuts_it_short_and_the_resumed_run_equal
     monkeypatch.undo()
     run = Path(cut["run_dir"])
     assert cut["interrupted"] == 15 and cut["step"] == 0 and not (run / "final").exists()
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0"] and read_metrics(run) == []
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last", "step_0"] and read_metrics(run) == []
     m.main(m.Args(resume=str(run / "checkpoints" / "step_0")))
     straight = m.main(tiny_args(script, tiny, tmp_path / "b", eval_every=1))
     rows = lambda d: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(d)]  # noqa: E731
@@ -184,7 +184,7 @@ def test_sigterm_in_the_first_evaluation_under_torchrun_saves_step_0_and_resumes
     cut = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert cut.returncode != 0 and "SIGTERM: cutting the evaluation short" in cut.stderr, cut.stderr[-3000:]
     (run,) = (tmp_path / "a").iterdir()
-    (ckpt,) = (run / "checkpoints").iterdir()
+    (ckpt,) = (run / "checkpoints").glob("step_*")
     assert ckpt.name == "step_0" and len(torch.load(ckpt / "trainer_state.pt", weights_only=False)["per_rank"][
         "torch_rng"]) == 2
     run_torchrun("grpo.py", "--resume", str(ckpt))
@@ -218,7 +218,7 @@ def test_sigterm_reaching_one_torchrun_process_stops_both_at_the_same_step(tiny,
     returncode, rest = interrupt_at_step_2(cmd, sig=signal.SIGTERM, pid=rank_1, env={"OMP_NUM_THREADS": "1"})
     assert returncode != 0, rest  # the processes exit 143, which torchrun reports as a failure
     (run,) = tmp_path.iterdir()
-    (ckpt,) = (run / "checkpoints").iterdir()
+    (ckpt,) = (run / "checkpoints").glob("step_*")
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     assert state["step"] >= 2 and ckpt.name == f"step_{state['step']}" and train_rows(run)[-1]["step"] == state["step"]
     assert len(state["per_rank"]["torch_rng"]) == 2  # both processes' RNGs: both were at the same step
@@ -315,16 +315,17 @@ def test_the_end_of_a_run_says_what_it_reached_and_where_final_is(tiny, tmp_path
     """Also: --run-dir is the run directory, and a second run may not reuse it; a warmup as long as the run is cut to
     a tenth of it, with a notice; --save-every-minutes saves once that much time has passed since the last save."""
     fixed = tmp_path / "fixed"
-    args = tiny_args("grpo", tiny, tmp_path / "out", run_dir=str(fixed), warmup_steps=30, save_every_minutes=1e-9)
+    args = tiny_args("grpo", tiny, tmp_path / "out", run_dir=str(fixed), warmup_steps=31, save_every_minutes=1e-9)
     out = module("grpo").main(args)
     printed = capsys.readouterr().out
     assert out["run_dir"] == str(fixed) and not (tmp_path / "out").exists()
     assert f"final model: {fixed}/final" in printed
     assert "eval/accuracy 0 -> " in printed and "eval at step 0: eval/accuracy" in printed
-    assert "--warmup-steps 30 >= --total-steps: warming up for 0" in printed
+    assert "--warmup-steps 31 >= --total-steps: warmup 0" in printed
     assert json.loads((fixed / "args.json").read_text())["warmup_steps"] == 0
     assert train_rows(fixed)[0]["train/lr"] == pytest.approx(args.learning_rate)  # no warmup: the full rate at once
-    assert sorted(p.name for p in (fixed / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    assert sorted(p.name for p in (fixed / "checkpoints").iterdir()) == ["last", "step_1", "step_2"]
+    assert (fixed / "checkpoints" / "last").resolve() == (fixed / "checkpoints" / "step_2").resolve()
     with pytest.raises(ValueError, match=f"--run-dir {fixed} exists: pass a new one"):
         module("grpo").main(args)
 

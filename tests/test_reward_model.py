@@ -474,12 +474,13 @@ def pipeline_commands() -> list[list[str]]:
 
 
 # Appended to each documented command in turn (the last value of a flag wins): a tiny budget. sft.py goes on from
-# models/tiny-arith at its default rate, so that its samples are right often enough to make preferences; PPO pauses
-# at step 1; the resume takes the run's own flags.
-RM_TINY = "--comparisons 4 --comparison-prompts 24 --batch-size 4 --micro-batch-size 2 --eval-limit 16 --eval-every 0"
+# models/tiny-arith at its default rate, so that its samples are right often enough to make preferences; the
+# documented --tie-start-step 800 and --pause-at-step 150 scale to the shorter runs (step 2 of 3, step 1 of 2); the
+# resume takes the run's own flags.
+RM_TINY = "--comparisons 4 --comparison-prompts 96 --batch-size 4 --micro-batch-size 2 --eval-limit 64 --eval-every 0"
 TINY = ("--model-config None --learning-rate 3e-4 --total-steps 2 --batch-size 8 --eval-split None --warmup-steps 0",
-        f"{RM_TINY} --tie-start-step 2 --total-steps 3 --warmup-steps 0",
-        "--prompts-per-step 2 --micro-batch-size 4 --total-steps 2 --pause-at-step 1 --eval-split None "
+        f"{RM_TINY} --total-steps 3 --warmup-steps 0",
+        "--prompts-per-step 2 --micro-batch-size 4 --total-steps 2 --eval-split None "
         "--warmup-steps 0",
         f"{RM_TINY} --total-steps 2 --warmup-steps 0",
         "")
@@ -506,14 +507,14 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path, monkeypatch):
     outs = []
     for argv, tiny in zip(commands, TINY, strict=True):
         module = {"sft.py": sft, "reward_model.py": rm, "ppo.py": ppo}[argv[1]]
-        flags = [a.replace("checkpoints/step_150", "checkpoints/step_1") for a in argv[2:]] + tiny.split()
+        flags = argv[2:] + tiny.split()
         outs.append(module.main(tyro.cli(module.Args, args=flags)))
     _, rm_out, paused_out, rm2_out, out = outs
 
     run = tmp_path / "runs" / "rm"
     assert (tmp_path / "runs/sft/model.safetensors").exists() and rm_out["run_dir"] == "runs/rm"
-    pairs, train = read_jsonl(run / "comparisons.jsonl"), read_jsonl(ROOT / "data/arith/train.jsonl")[:24]
-    assert pairs and {p["k"] for p in pairs} == {4} and {p["ranking"] for p in pairs} <= set(range(24))
+    pairs, train = read_jsonl(run / "comparisons.jsonl"), read_jsonl(ROOT / "data/arith/train.jsonl")[:96]
+    assert pairs and {p["k"] for p in pairs} == {4} and {p["ranking"] for p in pairs} <= set(range(96))
     for p in pairs:
         assert p["prompt"] == train[p["ranking"]]["prompt"] and p["answer"] == train[p["ranking"]]["answer"]
         right = [answers_match(extract_answer(p[c]), p["answer"]) for c in ("chosen", "rejected")]
@@ -525,7 +526,9 @@ def test_instructgpt_pipeline_the_five_commands(tmp_path, monkeypatch):
     check_advantage_signal_benchmark(run)
     spec = json.loads((run / "final" / "reward.json").read_text())
     assert spec == {"type": "reward_model", "model": str((run / "final").resolve()), "normalize": True}
+    assert json.loads((run / "args.json").read_text())["tie_start_step"] == 2  # 800 of 1000 -> 2 of 3
     paused = tmp_path / "runs/ppo/checkpoints/step_1"
+    assert json.loads((tmp_path / "runs/ppo/args.json").read_text())["pause_at_step"] == 1
     assert paused_out["interrupted"] and paused_out["step"] == 1 and (paused / "trainer_state.pt").exists()
     assert read_jsonl(tmp_path / "runs/rm2/comparisons.jsonl") and rm2_out["step"] == 2
     rows = train_rows(tmp_path / "runs/ppo")
@@ -677,7 +680,7 @@ def test_comparisons_check_the_eval_split_for_the_labelers_columns_first(tiny, t
     ({"ranking_column": "ranking", "margin_column": "margin"}, "a ranking's pairs carry no margin"),
     ({"tie_strength": -1.0}, "--tie-strength must be >= 0"),
     ({"tie_strength": 1.0, "margin_column": "margin"}, "--tie-strength with --margin-column: a tie has no margin"),
-    ({"tie_start_step": 5}, "--tie-start-step 5: the ties would never train; it needs --tie-strength > 0"),
+    ({"tie_start_step": 5}, "--tie-start-step 5: the ties would never train; pass --tie-strength 1"),
     ({"tie_start_step": 2, "tie_strength": 1.0, "total_steps": 2}, "a step before --total-steps 2"),
     ({"tie_start_step": -1}, "--tie-start-step must be >= 0"),
     ({"comparison_rankings": False}, "--no-comparison-rankings: there are no --comparisons to train as pairs"),
@@ -741,7 +744,7 @@ def test_rlhf_pipeline_benchmark_runs_and_draws(tmp_path):
 
     rlhf_pipeline.main(rlhf_pipeline.Args(
         recipes=("onpolicy_clip",), seeds=(1,), threads=1, output_dir=str(tmp_path), plot=str(tmp_path / "p.png"),
-        rm_flags="--comparison-prompts 16 --total-steps 2 --batch-size 4 --eval-limit 8",
+        rm_flags="--comparison-prompts 64 --total-steps 2 --batch-size 4 --eval-limit 32",
         ppo_flags="--total-steps 3 --prompts-per-step 8 --eval-limit 8 --eval-every 0"))
     spec = json.loads((tmp_path / "onpolicy_clip_1.json").read_text())
     assert spec["type"] == "reward_model" and spec["postprocess"] == rlhf_pipeline.VERDICT
@@ -750,8 +753,8 @@ def test_rlhf_pipeline_benchmark_runs_and_draws(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
     rlhf_pipeline.main(rlhf_pipeline.Args(  # iterated: PPO paused at step 2, a second reward model, resumed against it
         recipes=("iterated",), seeds=(1,), threads=1, output_dir=str(tmp_path), pause=2,
-        rm_flags="--comparison-prompts 16 --total-steps 2 --tie-start-step 1 --batch-size 4 --micro-batch-size 2 "
-                 "--eval-limit 8",
+        rm_flags="--comparison-prompts 64 --total-steps 2 --tie-start-step 1 --batch-size 4 --micro-batch-size 2 "
+                 "--eval-limit 32",
         ppo_flags="--total-steps 3 --prompts-per-step 8 --micro-batch-size 16 --eval-limit 8 --eval-every 0"))
     run, rm2 = (rlhf_pipeline.finished(tmp_path, name) for name in ("ppo_iterated_1", "rm2_iterated_1"))
     assert [r["step"] for r in train_rows(run)] == [1, 2, 3]
