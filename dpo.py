@@ -50,7 +50,12 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from kernels import linear_token_logprobs
+try:
+    from kernels import linear_token_logprobs
+except ModuleNotFoundError as e:  # a copied script needs kernels/ beside it
+    if e.name != "kernels":
+        raise
+    sys.exit(f"error: {e.name} not found: copy kernels/ from cleanrl-llm into {Path(__file__).parent}")
 
 
 @dataclass
@@ -808,13 +813,11 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA GPU; use --device cpu or auto")
     for name in model_paths:
-        flag = "--" + next(k for k, v in vars(args).items() if v == name).replace("_", "-")
         try:
-            local = check_local_or_hub("model", name)
-        except ValueError as e:
-            raise ValueError(f"{flag}: {e}") from None
-        if local and not (Path(name).expanduser() / "config.json").exists():
-            raise ValueError(f"{flag} '{name}' is not a model folder: it has no config.json")
+            if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
+                raise ValueError(f"'{name}' is not a model folder: it has no config.json")
+        except ValueError as e:  # named by the first flag that holds it
+            raise ValueError(f"--{next(k for k, v in vars(args).items() if v == name).replace('_', '-')}: {e}") from None
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
         raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
     if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
@@ -863,7 +866,7 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 def resume_args(args, may_change: tuple[str, ...]):
     """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
-    for name in ("model_name_or_path", "dataset"):  # run from another folder: a path that is beside this file
+    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: paths beside this file
         beside = Path(__file__).parent / getattr(args, name)
         if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
             setattr(args, name, str(beside))
@@ -1047,10 +1050,10 @@ class Run:
         if self.rank == 0:  # and checkpoints/last, a link to it
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
-            link = path.with_name(".tmp-last")
-            link.unlink(missing_ok=True)
-            link.symlink_to(path.name)
-            os.replace(link, path.with_name("last"))
+            last = path.with_name("last")
+            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run (a link raises: ignored)
+            last.unlink(missing_ok=True)
+            last.symlink_to(path.name)
         self.barrier()
         return path
 
@@ -1123,10 +1126,9 @@ class Run:
         if ctrl_c:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
         if self.rank == 0:
-            print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: " + ("cutting the evaluation short" if self.evaluating else
-                  f"finishing step {self.step}") + ", then saving a checkpoint" +
+            print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: saving a checkpoint after step {self.step}" +
                   " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
-        if self.evaluating:  # an evaluation is cut short (evaluate() catches it); a step is finished
+        if self.evaluating:  # cut short (evaluate() catches it); a step runs to its end
             self.evaluating = False
             raise InterruptedError
 
@@ -1164,8 +1166,7 @@ class Run:
                 save()
 
     def stopping(self, save=None) -> bool:
-        """A stop (a pause, or a signal to any process) for all processes; with `save`, a checkpoint then or when
-        --save-every-minutes is due."""
+        """Stop all processes if one had a signal (or a pause); save then, or when --save-every-minutes is due."""
         minutes = self.steps_done and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
         flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
         if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
@@ -1196,11 +1197,12 @@ class Run:
             if self.rank == 0 or self.fsdp:  # (--fsdp: all processes gather)
                 model = model if isinstance(model, torch.nn.Module) else model()
                 weights = self.full_weights(model)
-            if self.rank == 0:
-                save_pretrained(self.dir / "final", model, tokenizer, weights=weights)
+            if self.rank == 0:  # (sft.py --final-dir: there instead)
+                path = Path(getattr(self.args, "final_dir", None) or self.dir / "final")
+                save_pretrained(path, model, tokenizer, weights=weights)
                 print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
                     f" | {k} {self.first[k]:.4g} -> {v:.4g}" for k, v in self.last.items() if k.startswith("eval/")))
-                print(f"final model: {self.dir / 'final'}", *notes, sep="\n", flush=True)
+                print(f"final model: {path}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
         if self.stop:  # the last line printed

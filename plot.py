@@ -7,7 +7,9 @@
 By default one panel per key of DEFAULT_KEYS that some run logs (at most MAX_PANELS), so each
 script gets its usual curves; a run that logs none of them (custom keys) gets its first keys.
 `--smooth N` draws a trailing N-row moving average over the faint raw curve (of series longer than
-N). The training scripts never import this file; it needs only matplotlib and tyro.
+N). The legend names each run from its args.json: the experiment, the seed, and the arguments in
+which it differs from the other runs of that experiment (`grpo seed 1`, `grpo seed 2 loss_type=dapo`).
+The training scripts never import this file; it needs only matplotlib and tyro.
 """
 import json
 import math
@@ -31,6 +33,8 @@ DEFAULT_KEYS = (
     "charts/episodic_return", "eval/oracle_return", "losses/approx_kl", "losses/value_loss", "losses/entropy",
 )
 MAX_PANELS = 6
+# args.json fields that name or place a run rather than change what it does (the seed is always shown)
+NOT_FLAGS = ("exp_name", "seed", "output_dir", "run_dir", "run_name", "resume", "resumed")
 
 
 @dataclass
@@ -58,6 +62,22 @@ def read_metrics(run: Path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{file}, line {i}: not valid JSON ({e.msg})") from None
     return rows
+
+
+def run_labels(runs: tuple[Path, ...]) -> list[str]:
+    """Legend labels: each run's exp_name and seed, then the arguments in which its args.json differs from the
+    other runs of the same exp_name; the run's path where it has no args.json or two labels would be the same."""
+    files = [run / "args.json" for run in runs]
+    configs = [json.loads(file.read_text()) if file.is_file() else {} for file in files]
+    labels = []
+    for run, config in zip(runs, configs):
+        if not config:
+            labels.append(str(run))
+            continue
+        peers = [c for c in configs if c.get("exp_name") == config["exp_name"]]
+        differing = [f"{k}={v}" for k, v in config.items() if k not in NOT_FLAGS and any(c.get(k) != v for c in peers)]
+        labels.append(" ".join([config["exp_name"], f"seed {config['seed']}", *differing]))
+    return [f"{label} ({run})" if labels.count(label) > 1 else label for run, label in zip(runs, labels)]
 
 
 def numeric_keys(rows: list[dict]) -> list[str]:
@@ -115,7 +135,8 @@ def main(args: Args) -> Path:
         raise ValueError("no run given: python plot.py runs/<run> [runs/<other> ...]")
     if args.smooth < 0:
         raise ValueError(f"--smooth {args.smooth}: expected a window of rows >= 0 (0: off)")
-    runs = {run.resolve().name: read_metrics(run) for run in args.runs}  # checks every path before drawing
+    metrics = [read_metrics(run) for run in args.runs]  # checks every path before drawing
+    runs = dict(zip(run_labels(args.runs), metrics))
     available = list(dict.fromkeys(key for rows in runs.values() for key in numeric_keys(rows)))
     if not available:
         raise ValueError(f"no numeric metric in {[str(run / 'metrics.jsonl') for run in args.runs]}")

@@ -77,7 +77,7 @@ def interrupt_at_step_2(cmd: list[str], times: int = 1, sig: int = 2, pid=None, 
         if times == 2:  # the second once the first is acknowledged
             for line in proc.stdout:
                 seen += line
-                if line.startswith("Ctrl-C: finishing step"):
+                if line.startswith("Ctrl-C: saving a checkpoint after step"):
                     break
             os.kill(target, signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)

@@ -432,7 +432,8 @@ def test_resume_restores_the_value_head_and_the_kl_controller_and_refuses_total_
     """hybrid's own state on resume (test_lifecycle.py has the rest): from step 2 of a 4-step run with both kinds of
     step and the adaptive KL controller, the value head and beta equal the straight run's; --total-steps, which
     shapes the curriculum, is refused."""
-    kw = {"total_steps": 4, "eval_split": None, "save_every": 2, "kl_controller": "adaptive", "kl_target": 0.01, "seed": 2}
+    kw = {"total_steps": 4, "eval_split": None, "save_every": 2, "kl_controller": "adaptive",
+          "kl_controller_target": 0.01, "seed": 2}
     straight = hybrid.main(tiny_args(tiny, tmp_path / "a", **kw))
     run = tmp_path / "b" / Path(straight["run_dir"]).name
     shutil.copytree(straight["run_dir"], run)
@@ -470,7 +471,7 @@ def test_resume_restores_the_value_head_and_the_kl_controller_and_refuses_total_
     ({"reward": "correctness,bogus"}, "unknown reward type 'bogus'"),
     ({"sft_split": "nope"}, "has no nope.jsonl"),
     ({"value_head_lr": 0.0}, "--value-head-lr must be positive"),
-    ({"kl_controller": "adaptive"}, "--kl-controller adaptive needs a positive --kl-target"),
+    ({"kl_controller": "adaptive"}, "--kl-controller adaptive needs a positive --kl-controller-target"),
     ({"prompts_per_step": 4, "num_mini_batches": 3}, "--num-mini-batches must divide each process's 4 completions: "
                                                      "use --num-mini-batches 2"),
 ])

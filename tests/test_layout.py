@@ -1,7 +1,10 @@
 """The layout every script keeps (DESIGN.md, "Skeleton"): size budgets that only go down, the plumbing last, only the
 functions a script calls, and one text for one name across the scripts."""
 import ast
+import dataclasses
+import importlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,10 @@ BUDGETS = {
     "capacity_ppo": (36_082, 23_994, 60),
 }
 PER_SCRIPT = {"Args", "main", "check_args"}  # each script's own by nature
+# Args' base classes, the boxes of --help in this order (command_line); each script's own flags
+GROUPS = {"Algorithm": "algorithm", "ModelData": "model-data", "Optimisation": "optimisation", "Logging": "logging",
+          "Engineering": "engineering"}
+PER_SCRIPT |= set(GROUPS)
 # Same name, different text on purpose: name -> why.
 DIFFERENT = {}
 
@@ -89,3 +96,25 @@ def test_one_name_one_text_across_the_scripts():
               if len(by) > 1 and len(set(by.values())) > 1 and name not in PER_SCRIPT | set(DIFFERENT)}
     assert not differ, f"same name, different text (make them one, or name them for what differs): {differ}"
     assert set(DIFFERENT) <= set(texts), "DIFFERENT lists a name no script has any more"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_opens_with_the_docstring_then_the_flags_in_their_groups(script, monkeypatch, capsys):
+    """--help: usage, the module docstring's first paragraph, then a box per group of Args in the skeleton's order."""
+    module = importlib.import_module(script)
+    assert [g.__name__ for g in module.Args.__bases__[::-1]] == list(GROUPS)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    monkeypatch.setenv("COLUMNS", "100")  # one column of boxes
+    with pytest.raises(SystemExit):
+        module.command_line(module.Args, module.main)
+    usage, description, boxes = capsys.readouterr().out.split("\n\n", 2)
+    assert usage.startswith(f"usage: {script}.py")
+    assert " ".join(description.split()) == " ".join(module.__doc__.split("\n\n")[0].split())
+    titles_and_texts = re.split(r"^[^\w-]*([\w-]+) options\b.*$", boxes, flags=re.M)[1:]  # with or without rich's box
+    assert titles_and_texts[::2] == list(GROUPS.values())
+    box = {flag: title for title, text in zip(titles_and_texts[::2], titles_and_texts[1::2])
+           for flag in re.findall(r"^[│ ]{1,3}(--[a-z][\w-]*)", text, re.M)}
+    assert box["--learning-rate"] == box["--total-steps"] == "optimisation"
+    assert (box["--resume"], box["--seed"], box["--save-every"]) == ("logging", "engineering", "logging")
+    shown = [f for f in dataclasses.fields(module.Args) if "Suppress" not in str(f.type)]  # run_name: set at run time
+    assert "--run-name" not in box and len(box) == len(shown)

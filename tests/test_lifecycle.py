@@ -108,7 +108,7 @@ def test_ctrl_c_saves_a_checkpoint_and_a_second_quits_at_once(tiny, tmp_path, sc
     assert train_rows(run)[-1]["step"] == state["step"]
     returncode, rest = interrupt_at_step_2(cli(script, tiny, tmp_path / "b", total_steps=100000, eval_split=None), 2)
     assert returncode == 130, rest
-    assert "Ctrl-C: finishing step" in rest and "interrupted again: quit without saving" in rest
+    assert "Ctrl-C: saving a checkpoint after step" in rest and "interrupted again: quit without saving" in rest
     assert "Traceback" not in rest
 
 
@@ -133,6 +133,31 @@ def test_sigterm_saves_like_ctrl_c_and_the_resumed_run_equals_a_straight_one(tin
     assert [r["step"] for r in a] == [r["step"] for r in b] == [step + 1, step + 2]
     for x, y in zip(a, b):
         assert all(y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6) for k in x if not k.startswith("perf/")), (x, y)
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_a_constant_reward_gets_one_warning_naming_its_values(tiny, tmp_path, script, capsys):
+    """The random model is never right, so `correctness` gives every completion the same score: after the third
+    logged step one warning names the reward's value and what helps; a reward that varies gets none."""
+    m = module(script)
+    m.main(tiny_args(script, tiny, tmp_path / "a", reward="correctness", total_steps=4, eval_split=None))
+    printed = capsys.readouterr().out
+    assert printed.count("warning: nothing can be learned") == 1, printed
+    assert "(train/reward -0.5: correctness -0.5)" in printed and "--num-generations" in printed
+    m.main(tiny_args(script, tiny, tmp_path / "b", total_steps=3, eval_split=None))
+    assert "nothing can be learned" not in capsys.readouterr().out
+
+
+def test_a_copied_script_names_the_files_it_needs_in_one_line(tmp_path):
+    """grpo.py alone: one line naming rewards.py and kernels/; sft.py needs neither (its --help runs)."""
+    import subprocess
+
+    for script in ("grpo", "sft"):
+        shutil.copy(ROOT / f"{script}.py", tmp_path)
+    alone = subprocess.run([sys.executable, "grpo.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert alone.returncode == 1 and alone.stderr == (
+        f"error: kernels not found: copy rewards.py and kernels/ from cleanrl-llm into {tmp_path}\n"), alone.stderr
+    assert subprocess.run([sys.executable, "sft.py", "--help"], cwd=tmp_path, capture_output=True).returncode == 0
 
 
 def sigterm_in_the_first_evaluation(m, monkeypatch):
@@ -182,7 +207,7 @@ def test_sigterm_in_the_first_evaluation_under_torchrun_saves_step_0_and_resumes
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(wrapper),
            *cli("grpo", tiny, tmp_path / "a")[2:]]
     cut = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert cut.returncode != 0 and "SIGTERM: cutting the evaluation short" in cut.stderr, cut.stderr[-3000:]
+    assert cut.returncode != 0 and "SIGTERM: saving a checkpoint after step 0" in cut.stderr, cut.stderr[-3000:]
     (run,) = (tmp_path / "a").iterdir()
     (ckpt,) = (run / "checkpoints").glob("step_*")
     assert ckpt.name == "step_0" and len(torch.load(ckpt / "trainer_state.pt", weights_only=False)["per_rank"][
@@ -273,11 +298,9 @@ def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny,
         for k in (k for k in a if k.startswith(("train/", "rewards/"))):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
     assert (fsdp / "checkpoints" / "step_2" / "sharded").is_dir() and not (ddp / "checkpoints" / "step_2" / "sharded").exists()
-    whole, reference = load_file(fsdp / "final" / "model.safetensors"), load_file(ddp / "final" / "model.safetensors")
+    final = {p: tmp_path / f"made-{p}" if script == "sft" else run / "final" for p, run in (("ddp", ddp), ("fsdp", fsdp))}
+    whole, reference = (load_file(final[p] / "model.safetensors") for p in ("fsdp", "ddp"))  # sft: at --final-dir
     assert whole.keys() == reference.keys() and all(torch.allclose(whole[k], reference[k], atol=1e-5) for k in whole)
-    if script == "sft":
-        made = load_file(tmp_path / "made-fsdp" / "model.safetensors")
-        assert made.keys() == whole.keys() and all(torch.equal(made[k], whole[k]) for k in whole)
     (fsdp / "metrics.jsonl").write_text("")
     run_torchrun(f"{script}.py", "--resume", str(fsdp / "checkpoints" / "step_2"))
     (resumed,) = train_rows(fsdp)

@@ -71,3 +71,19 @@ def test_bad_inputs_say_what_is_wrong(tmp_path):
                                          r"'train/loss', 'train/reward'\]"):
         plot.main(plot.Args(runs=(run,), keys=("train/nope",)))
     assert not (run / "curves.png").exists()  # errors come before any drawing
+
+
+def test_legend_names_the_experiment_the_seed_and_what_differs(tmp_path, monkeypatch):
+    runs = []
+    for seed, loss in ((1, "grpo"), (2, "grpo"), (1, "dapo")):
+        run = fake_run(tmp_path / f"arith__grpo__{seed}__{loss}")
+        args = {"exp_name": "grpo", "seed": seed, "loss_type": loss, "run_name": run.name, "output_dir": "runs"}
+        (run / "args.json").write_text(json.dumps(args))
+        runs.append(run)
+    drawn = {}
+    monkeypatch.setattr(plot, "draw", lambda runs, keys, out, smooth: drawn.update(runs))
+    plot.main(plot.Args(runs=tuple(runs[:2]), out=tmp_path / "curves.png"))
+    assert list(drawn) == ["grpo seed 1", "grpo seed 2"]  # run_name and output_dir place a run: not shown
+    no_args = fake_run(tmp_path / "no_args")
+    assert plot.run_labels((*runs, no_args)) == \
+        ["grpo seed 1 loss_type=grpo", "grpo seed 2 loss_type=grpo", "grpo seed 1 loss_type=dapo", str(no_args)]

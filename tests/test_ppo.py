@@ -158,8 +158,8 @@ def test_the_bfloat16_sampler_copy_samples_for_the_float32_policy(tiny, tmp_path
 
 def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
     out = ppo.main(tiny_args(tiny, tmp_path / "runs", total_steps=3, save_every=2, micro_batch_size=1, track=True,
-                             kl_controller="adaptive", kl_target=1e-6, kl_horizon=4, missing_eos_penalty=1.0,
-                             num_ppo_epochs=2, target_kl=1e9))
+                             kl_controller="adaptive", kl_controller_target=1e-6, kl_horizon=4, missing_eos_penalty=1.0,
+                             num_ppo_epochs=2, early_stop_kl=1e9))
     run = Path(out["run_dir"])
     assert json.loads((run / "args.json").read_text())["kl_controller"] == "adaptive"
     rows = train_rows(run)
@@ -211,19 +211,19 @@ def test_reference_stays_the_initial_policy_and_kl_grows(tiny, tmp_path, monkeyp
     assert kl[0] == 0.0 and kl[1] > 1e-3 and kl[2] > 1e-3, kl
 
 
-def test_target_kl_stops_the_epochs(tiny, tmp_path, capsys):
+def test_early_stop_kl_stops_the_epochs(tiny, tmp_path, capsys):
     """Also: with beta > 0 the progress line shows train/kl (the next test: hidden without the KL term)."""
-    out = ppo.main(tiny_args(tiny, tmp_path, num_ppo_epochs=3, target_kl=1e-12, eval_split=None,
+    out = ppo.main(tiny_args(tiny, tmp_path, num_ppo_epochs=3, early_stop_kl=1e-12, eval_split=None,
                              learning_rate=1e-2))
     assert [r["train/ppo_epochs"] for r in train_rows(out["run_dir"])] == [1, 1]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(lines) == 2 and all("| reward " in line and "| kl " in line for line in lines), lines
 
 
-def test_target_kl_is_that_of_all_processes_also_under_fsdp(monkeypatch):
+def test_early_stop_kl_is_that_of_all_processes_also_under_fsdp(monkeypatch):
     """Under torchrun, with DDP or --fsdp (whose module is not DDP-wrapped, as here), the epochs stop on the KL summed
     over the processes, so that all stop together: this process's own KL is 0, another's (added by the all_reduce)
-    is 1 a token, above --target-kl, so one epoch of three runs."""
+    is 1 a token, above --early-stop-kl, so one epoch of three runs."""
     class ActorCritic(torch.nn.Module):  # log-probs and values from two scalars; pi = pi_old at the start
         def __init__(self):
             super().__init__()
@@ -246,7 +246,7 @@ def test_target_kl_is_that_of_all_processes_also_under_fsdp(monkeypatch):
              "attention": torch.ones(2, 4, dtype=torch.long), "old_logp": -ones, "advantages": ones,
              "old_values": 0 * ones, "returns": ones}
     optimizer = torch.optim.AdamW([{"params": [model.policy]}, {"params": [model.value]}], lr=1e-3)
-    args = ppo.Args(num_ppo_epochs=3, num_mini_batches=1, target_kl=0.1)
+    args = ppo.Args(num_ppo_epochs=3, num_mini_batches=1, early_stop_kl=0.1)
     stats = ppo.ppo_update(model, optimizer, batch, 2, args, torch.autocast("cpu", enabled=False))
     assert stats["ppo_epochs"] == 1 and reduced == [True] and stats["approx_kl"] == 0.0
 
@@ -273,8 +273,9 @@ def test_resume_restores_the_value_model_and_the_kl_coefficient(tiny, tmp_path, 
     model, the optimiser's two groups and the coefficient come back, so steps 3-4 and both final models equal the
     straight run's (the generic resume test, tests/test_lifecycle.py, compares the policy only); also with a value
     model cut to its first layer (--value-model-layers 1), which is saved as a 1-layer model."""
-    kw = {"total_steps": 4, "eval_split": None, "save_every": 2, "kl_controller": "adaptive", "kl_target": 1e-6,
-          "kl_horizon": 8, "num_ppo_epochs": 2, "lr_schedule": "linear", "value_model_layers": value_model_layers}
+    kw = {"total_steps": 4, "eval_split": None, "save_every": 2, "kl_controller": "adaptive", "kl_horizon": 8,
+          "kl_controller_target": 1e-6, "num_ppo_epochs": 2, "lr_schedule": "linear",
+          "value_model_layers": value_model_layers}
     straight = ppo.main(tiny_args(tiny, tmp_path / "a", **kw))
     run = tmp_path / "b" / Path(straight["run_dir"]).name
     shutil.copytree(straight["run_dir"], run)
@@ -342,9 +343,10 @@ def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_
 @pytest.mark.parametrize("overrides,message", [
     ({"beta": -0.1}, "--beta must be >= 0"),
     ({"importance_sampling_cap": 0.9}, "--importance-sampling-cap must be >= 1"),
-    ({"kl_controller": "adaptive"}, "--kl-controller adaptive needs a positive --kl-target"),
-    ({"kl_controller": "step", "kl_target": -1.0}, "needs a positive --kl-target"),
-    ({"kl_controller": "step", "kl_target": 1.0, "beta": 0.0}, "needs a positive --kl-target (e.g. 1.0) and --beta"),
+    ({"kl_controller": "adaptive"}, "--kl-controller adaptive needs a positive --kl-controller-target"),
+    ({"kl_controller": "step", "kl_controller_target": -1.0}, "needs a positive --kl-controller-target"),
+    ({"kl_controller": "step", "kl_controller_target": 1.0, "beta": 0.0},
+     "needs a positive --kl-controller-target (e.g. 1.0) and --beta"),
     ({"prompts_per_step": 6, "num_mini_batches": 4}, "--num-mini-batches must divide each process's 6 completions: "
                                                      "use --num-mini-batches 3"),
     ({"value_model_name_or_path": "models/nope"}, "model 'models/nope' does not exist"),
@@ -354,7 +356,7 @@ def test_truncated_importance_sampling_weighs_each_tokens_policy_loss(tiny, tmp_
     ({"prompts_per_step": 4, "num_mini_batches": 1, "micro_batch_size": 3}, "use --micro-batch-size 2"),
     ({"center_scores_per_prompt": True}, "--center-scores-per-prompt needs several completions of a prompt"),
     ({"pause_at_step": -1}, "--pause-at-step must be >= 0"),
-    ({"target_kl": 0.0}, "--target-kl must be positive"),
+    ({"early_stop_kl": 0.0}, "--early-stop-kl must be positive"),
     ({"eval_limit": 0}, "--eval-limit must be positive"),
     ({"temperature": 0.0}, "--temperature must be positive"),
     ({"gamma": 1.5}, "need 0 <= --clip-low, --gamma, --lam <= 1"),

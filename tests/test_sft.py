@@ -110,7 +110,7 @@ def test_gradient_accumulation_gives_the_one_batch_update(tiny):
 # ----------------------------------------------------------------------------- runs
 
 
-def test_few_step_run_writes_the_run_directory_and_final_dir(tiny, tmp_path):
+def test_few_step_run_writes_the_run_directory_and_final_dir(tiny, tmp_path, capsys):
     out = sft.main(tiny_args(tiny, tmp_path, packing=True, gradient_accumulation_steps=2, save_every=2, warmup_steps=2,
                              final_dir=str(tmp_path / "made")))
     run = Path(out["run_dir"])
@@ -121,14 +121,13 @@ def test_few_step_run_writes_the_run_directory_and_final_dir(tiny, tmp_path):
     assert [r["train/lr"] for r in rows if "train/loss" in r] == pytest.approx([1e-3 / 2, 1e-3, 1e-3])
     assert {r["step"] for r in rows if "eval/accuracy" in r} == {0, 3}
     assert all(math.isfinite(r["train/loss"]) and r["perf/tokens_per_s"] > 0 for r in rows if "train/loss" in r)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
-    model = AutoModelForCausalLM.from_pretrained(run / "final")
-    saved = load_file(run / "final" / "model.safetensors")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last", "step_2", "step_3"]
+    # --final-dir holds the trained model (how models/tiny-arith is written), instead of the run's final/
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "made")
+    saved = load_file(tmp_path / "made" / "model.safetensors")
     assert torch.equal(saved["model.norm.weight"], model.state_dict()["model.norm.weight"])
-    AutoTokenizer.from_pretrained(run / "final")
-    # --final-dir holds the same trained model (how models/tiny-arith is written)
-    assert (tmp_path / "made" / "model.safetensors").read_bytes() == (run / "final" / "model.safetensors").read_bytes()
     AutoTokenizer.from_pretrained(tmp_path / "made")
+    assert not (run / "final").exists() and f"final model: {tmp_path / 'made'}" in capsys.readouterr().out
 
 
 def test_learning_from_scratch(tmp_path):
