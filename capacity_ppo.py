@@ -713,19 +713,19 @@ def sigterm(signum, frame):  # a cluster's preemption: stop as on Ctrl-C
 
 
 def command_line(Args, main) -> None:
-    """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    """main(the flags); our ValueErrors in one line."""
     boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
     flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
         stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
-        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
+        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (True: a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
         if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library: the traceback says where
+            raise  # from a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

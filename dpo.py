@@ -12,16 +12,16 @@ Run:
     python dpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-prefs \
         --dataset-split train --eval-split None --pref-eval-split test --max-completion-length 512 \
         --micro-batch-size 4 --learning-rate 5e-7 --lora-r 16
-    torchrun --nproc-per-node 2 dpo.py  # data parallel (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 dpo.py  # data parallel
 
-Deviations (why, and the measurements: docs/dpo.md):
+Deviations (why, measurements: docs/dpo.md):
 - `--rpo-alpha 1` by default: plain DPO lowers tiny-arith's accuracy (likelihood displacement, arXiv:2410.08847).
 - One row per pair, the shared prefix once (`--pack-pairs`, arXiv:2410.20305), checked at start against plain rows.
-- Log-probs come from the last hidden states and the lm_head: no [B, T, V] logits.
 - Completions are tokenised alone + EOS; long prompts keep their last tokens, long completions lose their end.
 - Dropout is off; eval/pref_accuracy counts ties as wrong (0 at step 0).
 """
 
+import atexit
 import contextlib
 import copy
 import importlib.util
@@ -46,13 +46,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from datasets import Dataset, load_dataset
+from safetensors.torch import load_file
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import logging as hf_logging, set_seed
 
 try:
     from kernels import linear_token_logprobs
-except ModuleNotFoundError as e:  # a copied script needs kernels/ beside it
+except ModuleNotFoundError as e:
     if e.name != "kernels":
         raise
     sys.exit(f"error: {e.name} not found: copy kernels/ from cleanrl-llm into {Path(__file__).parent}")
@@ -281,10 +282,10 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
-    """Prefix sharing (arXiv:2410.20305): token lists (a, b) -> one row a + b[n:], n = shared_prefix(a, b). The tail
-    b[n:] attends to the prefix and to itself, not to a's tail, its positions going on from the prefix: every token
-    sees what it sees alone. -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T],
-    and [B, 1] each: where b's tail starts (len(a)), n, the row's length."""
+    """Prefix sharing (arXiv:2410.20305): token lists (a, b) -> one row a + b[n:], n = shared_prefix(a, b); the tail
+    b[n:] attends to the prefix and itself, its positions going on from the prefix, so every token sees what it sees
+    alone -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T], and [B, 1] each: where
+    b's tail starts (len(a)), n, the row's length."""
     shared = [shared_prefix(a, b) for a, b in pairs]
     rows = [a + b[n:] for (a, b), n in zip(pairs, shared)]
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], True, pad_id)
@@ -301,8 +302,7 @@ def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
 
 @torch.no_grad()
 def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
-    """--pack-pairs, unless forward(packed) of a few pairs, packed against plain in eval mode, shows the model cannot
-    use it (e.g. an attention that ignores custom 4D masks): then rows of their own, with a notice."""
+    """--pack-pairs, unless a few pairs packed differ from plain ones in eval mode (attention ignoring 4D masks?)."""
     if not run.args.pack_pairs:
         return False
     was_training = model.training
@@ -323,8 +323,8 @@ def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
 
 
 def optimizer_and_schedule(args, run, trained, model, overrides: dict) -> tuple:
-    """AdamW and lr_factor's schedule; on --resume the weights and both states -> (optimizer, scheduler, anchor,
-    trainer_state.pt's dict); anchor[0]: lr_factor's (s0, f0) once a resume changes --total-steps."""
+    """AdamW and lr_factor's schedule; --resume restores the weights and both -> (optimizer, scheduler, anchor,
+    trainer_state.pt's dict); anchor[0]: lr_factor's."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
     run.trained = (trained, optimizer)  # what --fsdp checkpoints in shards
@@ -333,15 +333,15 @@ def optimizer_and_schedule(args, run, trained, model, overrides: dict) -> tuple:
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, anchor[0]))
     state = run.restore(model, optimizer, scheduler)
     anchor[0] = state.get("lr_anchor")
-    if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
+    if "total_steps" in overrides:  # decay from here to the new last step
         old = lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0], args.lr_schedule, anchor[0])
         anchor[0] = (run.start, old)
     return optimizer, scheduler, anchor, state
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
-    at s0 with a new `total`, the decay goes on from f0 to 0 at the new last step."""
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): a
+    resume at s0 with a new `total` decays from f0."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -352,8 +352,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
 
 
 def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) -> Optional[str]:
-    """What is wrong with a row as a preference pair, or None: `columns` (prompt, chosen, rejected, ...) filled in,
-    two different completions as text, a boolean `tie` (when read) and a number in column `margin` (when given)."""
+    """What is wrong with a row as a preference pair (`columns`: prompt, chosen, rejected, ...), or None."""
     chosen, rejected = row.get(columns[1]), row.get(columns[2])
     if missing := [c for c in columns if row.get(c) is None]:
         return f"no column {missing}: fill it in or remove the row"
@@ -368,9 +367,8 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
 
 
 def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
-    """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
-    work: a bad row is one line naming the file and line (a hub split: its row). A folder without prefs.jsonl (the
-    default --dataset-split) trains on its train.jsonl of pairs, if any (said; args.json records it)."""
+    """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem`; a folder
+    without prefs.jsonl (the default split) trains on its train.jsonl, if of pairs."""
     path = Path(args.dataset).expanduser()
     train = path / "train.jsonl"
     if args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and train.exists():
@@ -389,7 +387,7 @@ def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None
 
 
 class PairOrder:
-    """Indices in seeded random epochs of whole batches (an epoch's incomplete last batch is skipped)."""
+    """Indices in seeded random epochs of whole batches (a partial last batch is skipped)."""
 
     def __init__(self, n: int, seed: int):
         self.n, self.gen = n, torch.Generator().manual_seed(seed)
@@ -410,7 +408,7 @@ class PairOrder:
 
 
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
-    """The prompts as text: as they are, or wrapped in the tokenizer's chat template."""
+    """The prompts as text, or wrapped in the tokenizer's chat template."""
     if not use_chat_template:
         if not isinstance(values[0], str):
             raise ValueError(f"prompts in column '{column}' are chat messages: pass --use-chat-template")
@@ -468,7 +466,7 @@ def load_models(args: Args, tokenizer, device) -> tuple:
     model, ref_model = load_model(args, device), None
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable()
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -540,7 +538,7 @@ def dpo_update(policy, optimizer, pairs: list, args: Args, micro: int, world: in
         sums += torch.stack([per_pair, nll, *rewards, (rewards[0] > rewards[1]).float(), *logp]).detach().sum(1).cpu()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return sums, grad_norm
 
 
@@ -549,13 +547,13 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "sa
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its checkpoint's arguments); processes, device, seeds.
+    # 0. Check every input first (--resume: the run's own arguments); processes, device, seeds.
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     run = Run(args, overrides, shown=("train/loss", "rewards/margins", "eval/pref_accuracy", "eval/accuracy"))
     device, world = run.device, run.world
 
-    # 1. Data: the pairs, checked and tokenised once (prompt; completion + EOS), before any model loads.
+    # 1. Data: the pairs, checked and tokenised once (prompt; completion + EOS).
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     pad_id = tokenizer.pad_token_id
@@ -566,7 +564,7 @@ def main(args: Args) -> dict:
     packed = use_packing(run, model, lambda packed: pair_logprobs(model, pairs[:8], pad_id, packed))
     policy = Forward(pair_logprobs, model)
     ref_model = ref_model and Forward(pair_logprobs, ref_model)
-    if run.fsdp:  # each decoder layer sharded over the processes, the reference too (FSDP2)
+    if run.fsdp:  # the reference too
         policy = run.shard(policy, decoder_layers(model))
         ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
     elif run.ddp:
@@ -580,7 +578,7 @@ def main(args: Args) -> dict:
         eval_ref = pair_logps(model, eval_pairs, pad_id, packed, micro, autocast) if uses_ref else None
         train_ref = pair_logps(model, pairs, pad_id, packed, micro, autocast) if args.precompute_ref_logps else None
 
-    # 3. Optimiser, schedule and data order; on --resume the weights, then all their states.
+    # 3. Optimiser, schedule and data order; --resume restores them.
     optimizer, scheduler, lr_anchor, state = optimizer_and_schedule(args, run, policy, model, overrides)
     order = PairOrder(len(pairs), args.seed)
     if state:
@@ -611,8 +609,8 @@ def main(args: Args) -> dict:
             # 4a. The next batch of pairs in epoch order; each process keeps its share of the same draw.
             rows = order.draw(args.batch_size)[run.rank * share : (run.rank + 1) * share]
             mine = [pairs[i] for i in rows]
-            # 4b. Per micro-batch: chosen and rejected in one pass, the reference's log-probs (cached or a no-grad
-            #     pass), the per-pair loss (Eq. 7 or a variant) + RPO's NLL, averaged over the step's pairs.
+            # 4b. Per micro-batch: chosen and rejected in one pass, the reference's log-probs, the per-pair loss
+            #     (Eq. 7 or a variant) + RPO's NLL, averaged over the step's pairs.
             ref = uses_ref and partial(reference_logps, ref_model, model, mine, rows, train_ref, pad_id, packed)
             sums, grad_norm = dpo_update(policy, optimizer, mine, args, micro, world, pad_id, packed, ref, autocast)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's update
@@ -620,7 +618,7 @@ def main(args: Args) -> dict:
             seconds += time.perf_counter() - t_step
             tokens += sum(2 * len(p) + len(c) + len(r) for p, c, r in mine)
 
-            # 4c. Log the implicit rewards, their margin and accuracy, the log-probs, the timings.
+            # 4c. Log the implicit rewards, margin, accuracy, log-probs, timings.
             if step % args.log_every == 0 or step == args.total_steps:
                 mean = run.gather(sums[None].to(device)).sum(0) / args.batch_size  # over every process's pairs
                 final = {"step": step, **dict(zip(STATS, mean.tolist())), "rewards/margins": float(mean[2] - mean[3]),
@@ -630,7 +628,7 @@ def main(args: Args) -> dict:
                 run.log(final)
                 tokens, seconds, last_log = 0, 0.0, step
 
-    # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) in final/.
+    # 5. Final evaluation, a checkpoint, the trained model (LoRA merged) in final/.
     merged = (lambda: copy.deepcopy(model).merge_and_unload()) if args.lora_r else model
     return run.finish(final, measure, save, merged, tokenizer)
 
@@ -655,10 +653,10 @@ def check_args(args: Args) -> int:
     if loss == "simpo" and args.precompute_ref_logps:
         raise ValueError("--loss-type simpo is reference-free: --precompute-ref-logps has nothing to compute; drop it")
     if args.lora_r and importlib.util.find_spec("peft") is None:
-        raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")
+        raise ValueError("--lora-r needs peft: `pip install peft`")
     return micro
 
-# ---- plumbing, need not be modified (a name is one text in all scripts): checks, run, resume, W&B, Ctrl-C, torchrun.
+# ---- plumbing: one text per name in all scripts
 
 
 def answer_matches(text: str, answer) -> bool:
@@ -697,7 +695,7 @@ def lm_head(model, dtype: torch.dtype) -> dict:
 
 
 class Forward(torch.nn.Module):
-    """fn(module, *args) as a module's forward, for DDP and FSDP2, which act around forward."""
+    """fn(module, *args) as a module's forward (DDP and FSDP2 act around forward)."""
 
     def __init__(self, fn: Callable, module):
         super().__init__()
@@ -707,11 +705,11 @@ class Forward(torch.nn.Module):
         return self.fn(self.module, *args, **kwargs)
 
 
-CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, which final/ keeps
+CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, kept in final/
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Keep only its generation_config's special tokens, so that generate samples softmax(logits / T) -> EOS ids."""
+    """Only its generation_config's special tokens, so generate samples softmax(logits / T) -> EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -726,7 +724,7 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """--<flag>'s split with `columns`: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
+    """--<flag>'s split: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
     split, path = getattr(args, flag), Path(args.dataset).expanduser()
     file = path / f"{split}.jsonl" if path.is_dir() else path
     skip = f", or skip this split with --{flag.replace('_', '-')} None" if "eval" in flag else ""
@@ -750,15 +748,15 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{file} is empty: it needs at least one JSON line")
         try:
             ds = Dataset.from_dict({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
-        except (TypeError, ValueError) as e:  # pyarrow: a column's rows of different types (2 and "1/2")
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{file}: a column's values differ in type ({e}): give each column one type") from None
     else:
         check_local_or_hub("dataset", args.dataset)
         try:
             ds = load_dataset(args.dataset, split=split)
-        except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
-                             "has it; or pass a folder of <split>.jsonl files)") from None
+        except Exception as e:
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online, or pass a folder of "
+                             "<split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         where = file if path.is_file() else f"split '{split}'"
@@ -769,14 +767,13 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{path} has 1 row: none to hold out for eval; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
         if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
-            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
-                  f"for evaluation")
+            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out")
         ds = parts["test" if "eval" in flag else "train"]
     return ds
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hub (offline: a model in the cache)."""
+    """True for a local path; a hub id must be on the Hub (offline: in the cache)."""
     if Path(name).expanduser().exists():
         return True
     hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
@@ -789,10 +786,10 @@ def check_local_or_hub(kind: str, name: str) -> bool:
            "pass a folder of <split>.jsonl files")
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+        if offline and kind == "model":
             snapshot_download(name, local_files_only=True)
         found = offline or repo_exists(name, repo_type=kind)
-    except Exception as e:  # not cached, no network, a proxy: say so now, not after retries
+    except Exception as e:  # not cached, no network, a proxy
         raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
                          f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
                          "cache holds it, or ") + get) from None
@@ -803,7 +800,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
-    args.notes = []  # notices printed once every check has passed (Run.__enter__)
+    args.notes = []  # Run.__enter__ prints them
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -816,39 +813,38 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
         try:
             if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
                 raise ValueError(f"'{name}' is not a model folder: it has no config.json")
-        except ValueError as e:  # named by the first flag that holds it
-            raise ValueError(f"--{next(k for k, v in vars(args).items() if v == name).replace('_', '-')}: {e}") from None
+        except ValueError as e:
+            flag = next(k for k, v in vars(args).items() if v == name)
+            raise ValueError(f"--{flag.replace('_', '-')}: {e}") from None
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
-        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one, or --resume one of its checkpoints")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the lr never leaves warmup
         if args.warmup_steps != type(args)().warmup_steps:
             args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
-    from transformers import AutoConfig, AutoModel
-
     if "LOCAL_RANK" not in os.environ:
         raise ValueError("--fsdp needs several processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
+        raise ValueError("--fsdp with --lora-r is not supported: drop one (LoRA fits DDP)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
         raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     config = AutoConfig.from_pretrained(getattr(args, "model_config", None) or args.model_name_or_path)
-    with torch.device("meta"):  # weightless, to find the decoder layers
+    with torch.device("meta"):  # weightless
         decoder_layers(AutoModel.from_config(config))
 
 
 def decoder_layers(model) -> list:
-    """The blocks FSDP2 shards one by one: the longest ModuleList of one class (model.layers, h, ...)."""
+    """FSDP2's units: the longest ModuleList of one class (model.layers, h, ...)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
     if not lists:
-        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: use DDP (drop --fsdp)")
+        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: drop --fsdp (DDP)")
     return list(max(lists, key=len))
 
 
 def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
-    """Before the model loads: the longest prompt plus new tokens fit the model's positions."""
+    """The longest prompt plus new tokens fit the model's positions."""
     context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
     if context and longest + new_tokens > context:
         raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
@@ -856,7 +852,7 @@ def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
 
 
 def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
-    """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to `cap`."""
+    """`requested`, or with 0 the largest divisor of a process's batch up to `cap`."""
     works = [d for d in range(1, min(requested or cap, per_process) + 1) if per_process % d == 0][-1]
     if requested and works != requested:
         raise ValueError(f"{what} = {per_process} is not divisible by --micro-batch-size {requested}: use "
@@ -865,8 +861,8 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
-    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: paths beside this file
+    """--resume: the run's args, plus the flags given here that `may_change` -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: beside this file
         beside = Path(__file__).parent / getattr(args, name)
         if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
             setattr(args, name, str(beside))
@@ -888,7 +884,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         if name not in may_change:
             may = ", ".join("--" + n.replace("_", "-") for n in may_change)
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} and "
-                             f"cannot change on resume (drop it, or start a new run); these may: {may}")
+                             f"cannot change on resume (drop it); these may: {may}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -900,7 +896,7 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 
 def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, sharded=None):
-    """A temporary folder, renamed: a killed run leaves no half checkpoint (--fsdp: gathered `weights`, `sharded`)."""
+    """A temporary folder, renamed: a killed run leaves no half checkpoint."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=weights)
@@ -919,39 +915,35 @@ def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, shar
 
 
 class Run:
-    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
+    """One process's run: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        if self.ddp:  # the group ends at exit, after main's DDP modules (a reducer outliving it can hang gloo)
-            import atexit
-
+        if self.ddp:  # ended at exit, after main's DDP modules (else gloo can hang)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             atexit.register(dist.destroy_process_group)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
-        cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        cuda = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = args.fsdp, [], None  # trained: (root, optimizer)
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
-        if not args.resume:  # rank 0's clock names the run (clocks may straddle a second)
+        set_seed(args.seed)
+        if not args.resume:  # rank 0's clock names the run
             stamp = torch.tensor([int(time.time())], device=self.device)
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
             args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
         self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
-        self.start = self.step = self.steps_done = 0
+        self.start = self.step = 0
         self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
         self.signal, self.saved_at, self.saved_step, self.evaluating, self.evaluated = 0, time.time(), -1, False, False
         self.progress = self.rank == 0 and sys.stderr.isatty()
 
     def restore(self, model, optimizer, scheduler):
-        """--resume: weights (shards, LoRA or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
-        self.trained[0].train()  # from_pretrained leaves eval mode (no gradient checkpointing)
+        """--resume: weights, optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
+        self.trained[0].train()  # from_pretrained leaves eval mode
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -964,7 +956,6 @@ class Run:
             set_state_dict(*self.trained, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
         elif getattr(self.args, "lora_r", 0):
             from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
 
             set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(self.device)))
         else:
@@ -981,24 +972,22 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); with --dtype auto on
-        CUDA it computes in bfloat16 and reduces in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy()
         if self.device.type == "cuda" and self.args.dtype == "auto":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
         for unit in [*layers, module]:  # the root last
             fully_shard(unit, mesh=mesh, mp_policy=mp)
         self.sharded.append(module)
-        module._get_fsdp_state()._lazy_init()  # `module` is the root even if a layer runs first (e.g. generate)
+        module._get_fsdp_state()._lazy_init()  # the root even if a layer runs first (generate)
         return module
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights inside: no collective per decode step (processes may take different step counts)."""
+        """--fsdp: whole weights inside: decoding needs no collective per step."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1013,7 +1002,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model):
-        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
+        """--fsdp: the whole state dict on rank 0's CPU; else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -1022,12 +1011,11 @@ class Run:
         if self.rank != 0:
             return None
         first = {}
-        for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
+        for k, v in model.state_dict(keep_vars=True).items():  # tied weights: one tensor
             whole[k] = whole[first.setdefault(id(v), k)]
         return whole
 
     def gather(self, x):
-        """[n, ...] on each process -> [world * n, ...] in rank order."""
         if not self.ddp:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]
@@ -1041,17 +1029,17 @@ class Run:
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
-        if self.fsdp:  # each process writes its shards; rank 0 moves them in
+        if self.fsdp:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:  # and checkpoints/last, a link to it
+        if self.rank == 0:
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
             last = path.with_name("last")
-            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run (a link raises: ignored)
+            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run
             last.unlink(missing_ok=True)
             last.symlink_to(path.name)
         self.barrier()
@@ -1061,8 +1049,7 @@ class Run:
         if self.ddp:
             dist.barrier()
 
-    def log(self, metrics: dict, table=None):
-        """A row of metrics.jsonl and W&B (`table`: key, columns, rows), with perf/peak_gb on CUDA."""
+    def log(self, metrics: dict, table=None):  # table: (key, columns, rows)
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -1079,7 +1066,7 @@ class Run:
             tqdm.write(text) if self.progress else print(text, flush=True)
 
     def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
-        """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed; a stop cuts it short."""
+        """Rank 0's measure() -> (metrics, samples), logged and printed; a stop cuts it short."""
         metrics, samples = {}, []
         with self.whole(), contextlib.suppress(InterruptedError):  # raised by interrupt()
             self.evaluating = not self.stopping() and self.rank == 0
@@ -1094,13 +1081,13 @@ class Run:
 
     def __enter__(self):
         args = self.args
-        if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this one
+        if self.rank == 0 and args.resume:  # drop half-written checkpoints and rows logged after this one
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
             metrics = self.dir / "metrics.jsonl"
             rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= self.start]
             metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the run's own start values (summary) and last eval (progress line)
+            for row in rows:
                 self.first, self.last = {**row, **self.first}, {**self.last, **row}
                 self.evaluated = self.evaluated or row["step"] == self.start and "eval/" in str(row)
             saved = json.loads((self.dir / "args.json").read_text())
@@ -1112,23 +1099,23 @@ class Run:
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes here first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-            (self.dir / "metrics.jsonl").touch()  # (a run stopped in its first evaluation logs nothing)
+            (self.dir / "metrics.jsonl").touch()  # (a resume reads it)
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
-        for note in getattr(args, "notes", []):  # (check_common's)
+        for note in getattr(args, "notes", []):
             self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+    def interrupt(self, signum, frame):  # SIGTERM (preemption) as the first Ctrl-C
         ctrl_c, self.signal = signum == signal.SIGINT, signum
         if ctrl_c:
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C quits
         if self.rank == 0:
             print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: saving a checkpoint after step {self.step}" +
                   " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
-        if self.evaluating:  # cut short (evaluate() catches it); a step runs to its end
+        if self.evaluating:  # evaluate() catches it; a step runs to its end
             self.evaluating = False
             raise InterruptedError
 
@@ -1138,12 +1125,12 @@ class Run:
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def steps(self, measure, save):
-        """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
+        """Steps start+1 .. --total-steps, evaluating and saving; a signal saves and ends."""
         args = self.args
-        if args.track and self.rank == 0:  # a failure (no login): __exit__ removes a new run dir
+        if args.track and self.rank == 0:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
@@ -1157,7 +1144,6 @@ class Run:
                 return
             self.step, t0 = step, time.perf_counter()
             yield step
-            self.steps_done += 1
             self.seconds += time.perf_counter() - t0
             self.report()
             if step % every == 0 and step != args.total_steps:
@@ -1166,10 +1152,10 @@ class Run:
                 save()
 
     def stopping(self, save=None) -> bool:
-        """Stop all processes if one had a signal (or a pause); save then, or when --save-every-minutes is due."""
-        minutes = self.steps_done and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
+        """A signal (or pause) in one process stops all; save then, or when --save-every-minutes is due."""
+        minutes = self.step > self.start and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
         flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
-        if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
+        if self.ddp:  # whichever process the signal reached
             dist.all_reduce(flags, dist.ReduceOp.MAX)
         self.stop = int(flags[0])
         if save and (self.stop or flags[1]) and self.saved_step != self.step:
@@ -1177,8 +1163,7 @@ class Run:
         return bool(self.stop)
 
     def report(self):
-        """The key numbers on the progress bar (a terminal), else a line every --log-every steps."""
-        per_step = self.seconds / self.steps_done
+        per_step = self.seconds / (self.step - self.start)
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
         if self.progress:  # (tqdm shows s/step)
@@ -1188,16 +1173,16 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it)."""
         final.update({} if self.stop else self.evaluate(measure))
-        self.stopping()  # a signal in the last step or evaluation stops here
+        self.stopping()  # a signal in the last step or evaluation
         if self.saved_step != self.step:
             save()
         if not self.stop:
             if self.rank == 0 or self.fsdp:  # (--fsdp: all processes gather)
                 model = model if isinstance(model, torch.nn.Module) else model()
                 weights = self.full_weights(model)
-            if self.rank == 0:  # (sft.py --final-dir: there instead)
+            if self.rank == 0:
                 path = Path(getattr(self.args, "final_dir", None) or self.dir / "final")
                 save_pretrained(path, model, tokenizer, weights=weights)
                 print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
@@ -1205,25 +1190,25 @@ class Run:
                 print(f"final model: {path}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
-        if self.stop:  # the last line printed
+        if self.stop:
             self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    """main(the flags); our ValueErrors in one line."""
     boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
     flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
         stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
-        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
+        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (True: a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
         if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library: the traceback says where
+            raise  # from a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

@@ -1,7 +1,7 @@
 """GRPO (DeepSeekMath, arXiv:2402.03300, Sec. 4) and its variants: Dr.GRPO, DAPO, BNPO, GSPO, CISPO, RLOO's baseline.
 
-Sample G completions of each prompt, score them, give each token of completion i the advantage A_i = (r_i - mean(r)) /
-std(r) over its group (Sec. 4.1.2), and maximise the clipped surrogate minus beta KL to a frozen reference (Eq. 3, 4).
+Sample G completions per prompt, score them, give each token of completion i the advantage A_i = (r_i - mean(r)) /
+std(r) over its group (Sec. 4.1.2), maximise the clipped surrogate minus beta KL to a frozen reference (Eq. 3, 4).
 Variants (equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards none --loss-type dr_grpo`; DAPO
 (arXiv:2503.14476) `--clip-high 0.28 --dynamic-sampling --mask-truncated-completions --loss-type dapo`; GSPO
 (arXiv:2507.18071) `--importance-sampling-level sequence`; CISPO (arXiv:2506.13585) `--loss-type cispo`; RLOO
@@ -10,16 +10,17 @@ Variants (equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards
     python grpo.py  # models/tiny-arith on data/arith, CPU
     python grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
         --max-completion-length 512 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
-    torchrun --nproc-per-node 2 grpo.py  # data parallel (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 grpo.py  # data parallel
 
-Deviations (why and measurements: docs/grpo.md):
+Deviations (why, measurements: docs/grpo.md):
 - Defaults fit the embedded 0.9M-parameter model: `--scale-rewards none`, mu = 2, beta = 0.
-- At beta = 0 (not under --fsdp) zero-advantage completions (gradient 0) skip the forward and backward pass.
+- At beta = 0 (not under --fsdp) zero-advantage completions skip the forward and backward pass.
 - Log-probs are of softmax(logits / T), the distribution sampled from; dropout is off.
 - std is the unbiased one + 1e-4; over-long prompts keep their last tokens (both as TRL).
 - Under torchrun each process draws its own prompts; rewards are gathered for batch statistics.
 """
 
+import atexit
 import contextlib
 import copy
 import importlib.util
@@ -42,15 +43,16 @@ import torch
 import torch.distributed as dist
 import tyro
 from datasets import Dataset, load_dataset
+from safetensors.torch import load_file
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-from transformers.utils import logging as hf_logging
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import logging as hf_logging, set_seed
 
 try:
     from kernels import clipped_policy_loss, linear_token_logprobs
     from kernels.torch_ref import kl_estimate
     from rewards import DEFAULT_SPEC, make_reward
-except ModuleNotFoundError as e:  # a copied script needs rewards.py and kernels/ beside it
+except ModuleNotFoundError as e:
     if e.name not in ("kernels", "rewards"):
         raise
     sys.exit(f"error: {e.name} not found: copy rewards.py and kernels/ from cleanrl-llm into {Path(__file__).parent}")
@@ -65,21 +67,21 @@ class Algorithm:
     max_completion_length: int = 40
     """most new tokens per completion (also in eval)"""
     temperature: float = 0.7
-    """sampling temperature (log-probs are tempered too)"""
+    """sampling temperature (of the log-probs too)"""
     reward: str = DEFAULT_SPEC
     """reward functions name:weight,... (rewards.py) or a JSON file"""
     scale_rewards: Literal["group", "batch", "none"] = "none"
     """divide advantages by the group's std (GRPO), the batch's, or 1 (Dr.GRPO)"""
     baseline: Literal["mean", "rloo"] = "mean"
-    """subtract the group's mean reward, or the others' mean (RLOO: leave one out)"""
+    """subtract the group's mean reward, or the others' (RLOO)"""
     dynamic_sampling: bool = False
-    """replace groups of equal rewards by fresh ones (DAPO)"""
+    """replace groups of equal rewards (DAPO)"""
     max_resample_rounds: int = 4
-    """dynamic sampling: most extra draws per step"""
+    """--dynamic-sampling's most extra draws per step"""
     mask_truncated_completions: bool = False
     """completions cut before EOS get no loss (DAPO)"""
     beta: float = 0.0
-    """KL penalty's weight (0: no frozen reference kept)"""
+    """KL penalty's weight (0: no frozen reference)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator, http://joschu.net/blog/kl-approx.html"""
     num_iterations: int = 2
@@ -91,13 +93,13 @@ class Algorithm:
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
     """token losses averaged per completion (grpo), process (bnpo), max length (dr_grpo), batch (dapo, cispo)"""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
-    """ratio per token (GRPO), per completion (GSPO), or that with per-token gradients"""
+    """ratio per token (GRPO), per completion (GSPO), or that with token gradients"""
     delta: Optional[float] = None
     """cap on the ratio of negative-advantage tokens (INTELLECT-2; None: none)"""
     top_entropy_quantile: float = 1.0
-    """train on this fraction of tokens: those of highest entropy"""
+    """train on this fraction of tokens, of highest entropy"""
     importance_sampling_cap: Optional[float] = None
-    """cap on the per-token loss weight p_old / p_sampler (sampler numerics differ; None: off)"""
+    """cap on the per-token loss weight p_old / p_sampler (None: off)"""
 
 
 @dataclass
@@ -113,7 +115,7 @@ class ModelData:
     prompt_column: str = "prompt"
     """prompt column: text, or chat messages (--use-chat-template)"""
     answer_column: str = "answer"
-    """reference answer column (`answer` to rewards)"""
+    """reference answer column (rewards' `answer`)"""
     use_chat_template: bool = False
     """wrap prompts in the tokenizer's chat template"""
     max_prompt_length: int = 256
@@ -121,7 +123,7 @@ class ModelData:
     eval_limit: int = 500
     """at most this many eval examples"""
     lora_r: int = 0
-    """LoRA (low-rank adapter) rank on each linear layer (0: off); needs peft"""
+    """LoRA rank on each linear layer (0: off); needs peft"""
     lora_alpha: float = 32.0
     """LoRA scale: the update is x alpha / r"""
     lora_dropout: float = 0.0
@@ -135,7 +137,7 @@ class Optimisation:
     total_steps: int = 250
     """training steps; may change on --resume"""
     micro_batch_size: int = 0
-    """completions per forward/backward (0: the batch's largest divisor <= 128)"""
+    """completions per forward/backward (0: largest divisor of the batch <= 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """after warmup: cosine or linear decay to 0, or constant"""
     warmup_steps: int = 30
@@ -145,21 +147,21 @@ class Optimisation:
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass"""
+    """recompute activations in backward"""
 
 
 @dataclass
 class Logging:
     log_every: int = 1
-    """steps between rows of metrics.jsonl"""
+    """steps per row of metrics.jsonl"""
     eval_every: int = 50
-    """steps between evaluations (0: at start and end)"""
+    """steps per evaluation (0: first and last)"""
     save_every: int = 0
     """steps between checkpoints (0: at the end or a stop)"""
     save_every_minutes: float = 30.0
     """also save every this many minutes (0: off)"""
     resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with that run's flags"""
+    """runs/<run>/checkpoints/step_N to continue"""
     num_sample_completions: int = 8
     """completions per log step in the --track table"""
 
@@ -169,16 +171,16 @@ class Engineering:
     device: str = "auto"
     """cuda, cpu, or auto (cuda if available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
+    """weights dtype; auto: float32, bfloat16 autocast on CUDA"""
     generation_backend: Literal["auto", "shared", "static", "copy"] = "auto"
-    """auto: on CUDA copy (--dtype auto) or static (bfloat16), else shared; shared: one prefill per prompt;
-    static: static KV cache; copy: static on a bfloat16 weight copy"""
+    """shared: one prefill per prompt; static: a static KV cache; copy: static on a bfloat16 copy; auto: on CUDA
+    copy (static at --dtype bfloat16), else shared"""
     fsdp: bool = False
     """under torchrun, shard weights, gradients, AdamW states (FSDP2), not DDP"""
     exp_name: str = "grpo"
     """part of the run directory's name"""
     seed: int = 1
-    """seed of the RNGs and the data order"""
+    """seed of the RNGs and data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
@@ -202,9 +204,8 @@ class Args(Engineering, Logging, Optimisation, ModelData, Algorithm):
 
 
 def group_advantages(rewards, scale: str, baseline: str = "mean"):
-    """rewards [P, G] -> advantages [P, G] float32: r_i - mean(group) (Sec. 4.1.2), x G / (G - 1) for the mean of
-    the other G - 1 (RLOO, arXiv:2402.14740), over std(group), std(batch) (+ 1e-4) or 1 (none, Dr.GRPO); exactly 0 in
-    a group of equal rewards."""
+    """rewards [P, G] -> advantages [P, G] float32: r_i - mean(group) (Sec. 4.1.2), x G / (G - 1) for the others'
+    mean (RLOO, arXiv:2402.14740), over std(group), std(batch) (+ 1e-4) or 1 (Dr.GRPO); 0 in groups of equal rewards."""
     rewards = rewards.float()
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if baseline == "rloo":
@@ -222,8 +223,8 @@ def informative_groups(rewards):
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """completion_ids: [B, T]; eos_ids: [K] -> (mask [B, T] float32: the tokens up to and including the first EOS,
-    truncated [B] bool: no EOS)."""
+    """completion_ids: [B, T]; eos_ids: [K] -> (mask [B, T] float32: tokens up to the first EOS included, truncated
+    [B] bool: no EOS)."""
     is_eos = torch.isin(completion_ids, eos_ids)
     eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
     return (eos_before == 0).float(), ~is_eos.any(dim=1)
@@ -231,8 +232,8 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tupl
 
 def aggregate_loss(per_token_loss, mask, args, num_tokens: int, local_tokens: int, world: int):
     """per_token_loss, mask: [B, T] -> this micro-batch's share of the step's loss, per --loss-type:
-        grpo     mean over the step's N sequences of each one's token mean  (the 1/|o_i| of Eq. 3)
-        bnpo     mean over processes of each one's token mean (local_tokens: TRL's normaliser)
+        grpo     mean over the step's N sequences of their token means  (the 1/|o_i| of Eq. 3)
+        bnpo     mean over processes of their token means (local_tokens: TRL's normaliser)
         dr_grpo  token sum / (N x --max-completion-length)  (Dr.GRPO Sec. 3)
         dapo     token sum / num_tokens, the step's tokens  (DAPO Sec. 3.3); cispo too"""
     masked = (per_token_loss * mask).sum(dim=1)
@@ -276,7 +277,7 @@ def policy_loss(logp, old_logp, advantages, mask, ref_logp, args):
 
 def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] each -> (min(pi_old / pi_sampler, cap) per token, 1 on padding; capped [B, T] bool): the sampler drew
-    the tokens, the loss is an expectation under pi_old (the trainer's numerics)."""
+    the tokens, the loss expects pi_old's."""
     ratio = torch.exp((old_logp - sampler_logp) * mask)
     return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
 
@@ -292,7 +293,7 @@ def high_entropy_tokens(entropy: list, masks: list, rho: float) -> list:
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                         temperature: float, with_entropy: bool = False):
     """input_ids, attention_mask: [B, Tp + Tc], prompts left-padded to Tp -> log-probs [B, Tc] float32 (, entropy
-    [B, Tc]) from the hidden states and lm_head, never the full logits. Positions count real tokens, as in generate."""
+    [B, Tc]), never the full logits; positions count real tokens, as in generate."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
@@ -302,8 +303,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
-    """prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc] -> `size` rows at a time, longest completion
-    first: [(rows, first column holding a prompt token, completion width)]."""
+    """prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc] -> `size` rows at a time, longest first: [(rows,
+    first prompt-token column, completion width)]."""
     lengths = completion_mask.sum(dim=1)
     out = []
     for rows in torch.argsort(lengths, descending=True, stable=True).split(size):
@@ -312,8 +313,8 @@ def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torc
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
-    at s0 with a new `total`, the decay goes on from f0 to 0 at the new last step."""
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): a
+    resume at s0 with a new `total` decays from f0."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -332,7 +333,7 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def concat_rollouts(batches: list[dict], pad_id: int, rows: list) -> dict:
-    """The `rows` of the rollout batches as one: prompts re-padded on the left, completions on the right."""
+    """The `rows` of the rollout batches as one (prompts re-padded left, completions right)."""
     out = {}
     for k, v in batches[0].items():
         if isinstance(v, dict):
@@ -352,8 +353,8 @@ def concat_rollouts(batches: list[dict], pad_id: int, rows: list) -> dict:
 
 
 def dynamic_sampling(draw, num_groups: int, group_size: int, max_rounds: int, pad_id: int) -> tuple[dict, dict]:
-    """DAPO dynamic sampling (Sec. 3.2): draw(n) samples n groups, at most max_rounds more times, until num_groups
-    have unequal rewards; zero-advantage groups fill any shortfall."""
+    """DAPO dynamic sampling (Sec. 3.2): draw(n) samples n groups, up to max_rounds more times, until num_groups have
+    unequal rewards; zero-advantage groups fill a shortfall."""
     batches, good = [], torch.zeros(0, dtype=torch.bool)
     while good.sum() < num_groups and len(batches) <= max_rounds:
         batches.append(draw(num_groups - int(good.sum())))
@@ -365,7 +366,7 @@ def dynamic_sampling(draw, num_groups: int, group_size: int, max_rounds: int, pa
 
 
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
-    """The prompts as text: as they are, or wrapped in the tokenizer's chat template."""
+    """The prompts as text, or wrapped in the tokenizer's chat template."""
     if not use_chat_template:
         if not isinstance(values[0], str):
             raise ValueError(f"prompts in column '{column}' are chat messages: pass --use-chat-template")
@@ -377,11 +378,10 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
 
 
 class DataOrder:
-    """Prompt indices in seeded random epochs; draws go on across steps, and across a resume."""
+    """Prompt indices in seeded random epochs, drawn on across steps and resumes."""
 
     def __init__(self, n: int, seed: int):
-        self.n = n
-        self.gen = torch.Generator().manual_seed(seed)
+        self.n, self.gen = n, torch.Generator().manual_seed(seed)
         self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
 
     def draw(self, k: int) -> list[int]:
@@ -403,14 +403,14 @@ class DataOrder:
 
 @torch.no_grad()
 def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, eos_ids, reward, autocast, timing):
-    """Steps 1-2 of Algorithm 1, sample and score, for the prompts `rows` of data (load_prompts)."""
+    """Steps 1-2 of Algorithm 1 (sample, score) for the prompts `rows` of load_prompts' data."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
         sampler = sampler_copy(model) if backend == "copy" else model
         completion_ids, sampler_logp = sample(sampler, ids, mask, gen_config, backend)
     t1 = time.perf_counter()
-    c_mask, truncated = completion_mask(completion_ids, eos_ids)
+    c_mask, truncated = completion_mask(completion_ids, torch.tensor(eos_ids, device=ids.device))
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     trace = reward.trace(completions, **{name: [v[i] for i in rows] for name, v in data["columns"].items()},
                          completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)])
@@ -423,14 +423,13 @@ def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, 
 
 
 def logprobs_without_adapters(model, *inputs):
-    """A LoRA policy's frozen reference."""
     with model.disable_adapter():
         return completion_logprobs(model, *inputs)
 
 
 def old_policy_terms(mb: dict, old_logp, args, reference, sums: dict):
-    """With pi_old's log-probs (the first update's: no weight has moved yet), micro-batch mb's sampler gap, TIS
-    weights and (beta > 0) reference log-probs."""
+    """pi_old's log-probs (the first update's: no weight has moved yet) -> mb's sampler gap, TIS weights, (beta > 0)
+    reference log-probs."""
     mb["old_logp"] = old_logp
     sums["sampler_gap"] += float(((old_logp - mb["sampler_logp"]).abs() * mb["mask"]).sum())
     if args.importance_sampling_cap is not None:
@@ -442,9 +441,8 @@ def old_policy_terms(mb: dict, old_logp, args, reference, sums: dict):
 
 
 def grpo_update(run, policy, optimizer, batch: dict, advantages, mask, args, reference, autocast, size: int) -> dict:
-    """mu AdamW updates on this process's batch in length-sorted micro-batches of `size` rows cut to their widest
-    prompt and completion -> sums for grpo_metrics. At beta = 0 rows of advantage 0 are skipped (if all are, one
-    micro-batch stays for DDP's sync); not under --fsdp, where every pass is collective."""
+    """mu AdamW updates on this process's batch in length-sorted micro-batches of `size` rows -> sums for
+    grpo_metrics; at beta = 0 (not --fsdp) rows of advantage 0 are skipped (if all are, one micro-batch stays)."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
     width = batch["prompt_ids"].shape[1]
@@ -458,10 +456,10 @@ def grpo_update(run, policy, optimizer, batch: dict, advantages, mask, args, ref
         chunks.append({"inputs": (ids[r, first : width + end], attention[r, first : width + end], width - first),
                        "mask": mask[r, :end], "advantages": advantages[r, None],
                        "sampler_logp": batch["sampler_logp"][r, :end]})
-    tokens = int(run.gather(mask.sum()[None]).sum()), int(mask.sum())  # the step's loss tokens, this process's
+    tokens = int(run.gather(mask.sum()[None]).sum()), int(mask.sum())  # loss tokens: the step's, this process's
     sums = dict.fromkeys(("loss", "kl", "clip_frac", "entropy", "tokens", "sampler_gap", "tis_capped"), 0.0)
     ddp = run.ddp and not run.fsdp
-    if args.top_entropy_quantile < 1:  # one more forward pass: the batch's entropies before any update
+    if args.top_entropy_quantile < 1:  # an extra forward pass: entropies before any update
         with torch.no_grad(), autocast:
             entropy = [(policy.module if ddp else policy)(*mb["inputs"], args.temperature, True)[1] for mb in chunks]
         keep = high_entropy_tokens(entropy, [mb["mask"] for mb in chunks], args.top_entropy_quantile)
@@ -476,23 +474,23 @@ def grpo_update(run, policy, optimizer, batch: dict, advantages, mask, args, ref
                     old_policy_terms(mb, logp.detach(), args, reference, sums)
                 per_token, kl, clipped = policy_loss(
                     logp, mb["old_logp"], mb["advantages"], mb["mask"], mb.get("ref_logp"), args)
-                if "keep" in mb:  # the policy gradient of high-entropy tokens only; the KL penalty on every token
+                if "keep" in mb:  # policy gradient of high-entropy tokens only; KL penalty on every token
                     per_token = torch.where(mb["keep"], per_token, args.beta * kl)
-                if "tis" in mb:  # the sampler drew the tokens: weigh pi_old's whole per-token loss back to them
+                if "tis" in mb:  # the sampler drew the tokens: weigh pi_old's per-token loss back to them
                     per_token = per_token * mb["tis"]
                 loss = aggregate_loss(per_token, mb["mask"], args, *tokens, run.world)
-                (loss * run.world).backward()  # DDP averages gradients over processes
+                (loss * run.world).backward()  # DDP averages over processes
             sums["loss"] += loss.item()
             for name, x in (("kl", kl), ("clip_frac", clipped), ("entropy", entropy), ("tokens", mb["mask"])):
                 sums[name] += float((x.detach() * mb["mask"]).sum())
         sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
     return sums
 
 
 def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, steps: int) -> dict:
-    """The step's metrics over all processes; perf/ over the `steps` since the last log row."""
+    """The step's metrics over all processes; perf/ over the `steps` since the last log."""
     totals = {**sums, "completion_length": float(batch["completion_mask"].sum()),
               "truncated_frac": float(batch["truncated"].sum())}
     t = dict(zip(totals, run.gather(torch.tensor([list(totals.values())], device=rewards.device)).sum(0).tolist()))
@@ -511,8 +509,7 @@ def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, step
 
 
 def load_prompts(args, tokenizer, reward):
-    """The training prompts, tokenised, with the reward's columns, and the eval split -> (data, eval prompts, eval
-    answers)."""
+    """Training prompts (tokenised, with the reward's columns) and eval split -> (data, eval prompts, eval answers)."""
     columns = {c: args.answer_column if c == "answer" else c for c in sorted(reward.required_columns)}
     train = load_split(args, "dataset_split", [args.prompt_column, *columns.values()],
                        "--prompt-column/--answer-column, or a --reward that does not need it")
@@ -532,8 +529,8 @@ def load_prompts(args, tokenizer, reward):
 
 
 def load_policy(args, run, tokenizer):
-    """The policy (dropout off; LoRA with --lora-r) wrapped for DDP or FSDP2 and, when beta > 0, its frozen reference
-    -> (model, policy, reference, EOS ids)."""
+    """The policy (dropout off, LoRA with --lora-r) wrapped for DDP or FSDP2, its frozen reference (beta > 0) ->
+    (model, policy, reference, EOS ids)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(run.device)
     for m in model.modules():
@@ -541,7 +538,7 @@ def load_policy(args, run, tokenizer):
             m.p = 0.0
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable()
     reference = None
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
@@ -566,7 +563,7 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "sa
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments).
+    # 0. Check every input first (--resume: the run's own arguments).
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     reward = make_reward(args.reward)
@@ -580,18 +577,17 @@ def main(args: Args) -> dict:
     check_context(AutoConfig.from_pretrained(args.model_name_or_path), prompt_ids, args.max_completion_length,
                   "--max-completion-length")
 
-    # 2. Model: the policy and, when beta > 0, a frozen reference.
+    # 2. Model: the policy and (beta > 0) a frozen reference.
     model, policy, reference, eos_ids = load_policy(args, run, tokenizer)
-    eos = torch.tensor(eos_ids, device=run.device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
     gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, eos_token_id=eos_ids,
                                   max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id)
 
-    # 3. Optimiser, schedule and data order (one per process); --resume restores them all.
+    # 3. Optimiser, schedule, data order (one per process); --resume restores them.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
     run.trained = (policy, optimizer)  # what --fsdp checkpoints in shards
-    lr_anchor = None  # set when a resumed run changes --total-steps (lr_factor)
+    lr_anchor = None  # set by a resume changing --total-steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     order = DataOrder(len(data["ids"]), args.seed * 1000 + run.rank)
@@ -618,7 +614,7 @@ def main(args: Args) -> dict:
 
     def draw(n: int) -> dict:
         return rollout(model, tokenizer, data, [i for i in order.draw(n) for _ in range(G)], gen_config,
-                       generation_backend(args, run.device), eos, reward, autocast, timing)
+                       generation_backend(args, run.device), eos_ids, reward, autocast, timing)
 
     # 4. Train.
     G, groups = args.num_generations, args.prompts_per_step // run.world
@@ -629,14 +625,14 @@ def main(args: Args) -> dict:
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
-            # 4a. Sample G completions of each prompt and score them (Algorithm 1); DAPO: refill all-equal groups.
-            with run.whole():  # --fsdp: whole weights, so processes may sample for different numbers of steps
+            # 4a. Sample G completions per prompt, score them (Algorithm 1); DAPO refills all-equal groups.
+            with run.whole():  # --fsdp: whole weights while sampling
                 if args.dynamic_sampling:
                     batch, draws = dynamic_sampling(draw, groups, G, args.max_resample_rounds, tokenizer.pad_token_id)
                 else:
                     batch, draws = draw(groups), {}
             t_train = time.perf_counter()
-            # 4b. Group-relative advantages over the global batch; this process keeps its own rows.
+            # 4b. Group-relative advantages over the global batch; this process keeps its rows.
             rewards = run.gather(batch["rewards"]["total"].to(run.device)).view(-1, G)
             advantages = group_advantages(rewards, args.scale_rewards, args.baseline).view(run.world, -1)[run.rank]
             mask = batch["completion_mask"]
@@ -645,13 +641,13 @@ def main(args: Args) -> dict:
             # 4c. mu updates on this batch (Eq. 3).
             sums = grpo_update(run, policy, optimizer, batch, advantages, mask, args, reference, autocast, micro)
             gap = sampler_gap(run, sums["sampler_gap"], sums["tokens"] / args.num_iterations)  # stops a mismatch
-            lr = scheduler.get_last_lr()[0]  # the rate of this step's updates
+            lr = scheduler.get_last_lr()[0]  # this step's rate
             scheduler.step()
             timing["train"] += time.perf_counter() - t_train
             timing["step"] += time.perf_counter() - t_step
             timing["tokens"] += int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
 
-            # 4d. Log the metrics and a few completions.
+            # 4d. Log metrics and a few completions.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **grpo_metrics(run, args, sums, batch, rewards, timing, step - last_log),
                          "train/sampler_gap": gap, "train/lr": lr, **draws}
@@ -662,13 +658,13 @@ def main(args: Args) -> dict:
                 warn_if_nothing_learns(run, final, final["train/frac_zero_std"] == 1)
                 last_log, timing = step, dict.fromkeys(timing, 0.0)
 
-    # 5. Final evaluation, a checkpoint, and the trained model (LoRA merged into it) in final/.
+    # 5. Final evaluation, a checkpoint, the trained model (LoRA merged) in final/.
     merged = (lambda: copy.deepcopy(model).merge_and_unload()) if args.lora_r else model
     return run.finish(final, measure, save, merged, tokenizer)
 
 
 def check_args(args: Args) -> int:
-    """Every check that needs no model or data -> the micro-batch each process uses."""
+    """Checks needing no model or data -> the micro-batch each process uses."""
     check_common(args, ("total_steps", "prompts_per_step", "max_completion_length", "max_prompt_length", "log_every",
                         "num_iterations", "learning_rate", "temperature", "eval_limit"),
                  ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "lora_r",
@@ -684,26 +680,24 @@ def check_args(args: Args) -> int:
             (delta is not None and (delta <= 1 + args.clip_high or args.loss_type == "cispo"),
              f"--delta {delta}: it needs a clip loss type and a value above 1 + --clip-high = {1 + args.clip_high}"),
             (not 0 < args.top_entropy_quantile <= 1, "--top-entropy-quantile must be in (0, 1]"),
-            (args.lora_r and importlib.util.find_spec("peft") is None,
-             "--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")):
+            (args.lora_r and importlib.util.find_spec("peft") is None, "--lora-r needs peft: `pip install peft`")):
         if bad:
             raise ValueError(message)
     return fit_micro_batch(args.micro_batch_size, args.prompts_per_step // world * args.num_generations,
                            f"--prompts-per-step / {world} processes x --num-generations")
 
 
-# ---- plumbing, need not be modified (a name is one text in all scripts): checks, run, resume, W&B, Ctrl-C, torchrun.
+# ---- plumbing: one text per name in all scripts
 
 
 def warn_if_nothing_learns(run, row: dict, alike: bool):
-    """Once, if the first 3 logged steps each scored all completions `alike` (GRPO: in each group) or had no gradient."""
+    """Once, if the first 3 logged steps each scored all completions `alike` or had no gradient."""
     run.flat = [*getattr(run, "flat", []), alike or row["train/grad_norm"] == 0]
     if run.flat == [True] * 3:
         parts = ", ".join(f"{k[8:]} {v:.3g}" for k, v in row.items() if k.startswith("rewards/"))
         run.say(f"warning: nothing can be learned: the first 3 steps scored their completions alike (train/reward "
-                f"{row['train/reward']:.3g}: {parts}) or had no gradient, so no advantage is ever nonzero (is none "
-                "ever right?). What helps: a start that is sometimes right (SFT), partial credit (e.g. format), "
-                "more --num-generations")
+                f"{row['train/reward']:.3g}: {parts}) or had no gradient; try an SFT start, partial credit, more "
+                "--num-generations")
 
 
 def answer_matches(text: str, answer) -> bool:
@@ -758,12 +752,10 @@ class SampledLogprobs:
 
 
 def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts -> completions [B, Tc] (padded after EOS), the log-probs they were sampled with. shared: each
-    run of equal rows prefilled once, its KV cache repeated; else a static KV cache."""
-    from transformers import DynamicCache
-
+    """Left-padded prompts -> completions [B, Tc] (padded after EOS), their sampled log-probs. shared: equal rows
+    prefilled once; else a static KV cache."""
     training = model.training
-    model.eval()  # in training mode gradient checkpointing turns the KV cache off
+    model.eval()  # (training mode: gradient checkpointing, no KV cache)
     seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
     if backend != "shared":  # a static cache holds one dtype; bf16 autocast makes keys float32 (RoPE), values bf16
         gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
@@ -777,7 +769,7 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
                   position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
             cache.batch_repeat_interleave(counts)
             extra["past_key_values"] = cache
-        with precision:  # (--fsdp samples with whole weights: no lockstep)
+        with precision:  # (--fsdp: whole weights, no lockstep)
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
                                  logits_processor=[seen], synced_gpus=False, **extra)
     finally:
@@ -789,12 +781,12 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
 @torch.no_grad()
 @torch.autocast("cuda", enabled=False)  # LoRA's B A in float32
 def sampler_copy(model):
-    """The model's bfloat16 copy (made once), the weights written over in place, LoRA merged, so compiled CUDA
-    graphs stay valid. Called in Run.whole (--fsdp: whole weights)."""
+    """The model's bfloat16 copy (made once), its weights written over in place (CUDA graphs stay valid), LoRA
+    merged; --fsdp: inside Run.whole."""
     base = model.get_base_model() if hasattr(model, "peft_config") else model
-    if "bf16_copy" not in vars(base):  # a function: outside parameters(), state_dict() and deepcopy (the LoRA merge)
+    if "bf16_copy" not in vars(base):  # a function: not in parameters(), state_dict(), deepcopy (LoRA merge)
         cuda = [base.device] if base.device.type == "cuda" else []
-        with torch.random.fork_rng(cuda), torch.device(base.device):  # its random init leaves the run's RNG alone
+        with torch.random.fork_rng(cuda), torch.device(base.device):  # leaves the run's RNG alone
             sampler = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=torch.bfloat16)
         vars(base)["bf16_copy"] = lambda: sampler
     sampler, weights = base.bf16_copy(), dict(base.named_parameters())
@@ -811,24 +803,22 @@ def sampler_copy(model):
 
 
 def generation_backend(args, device) -> str:
-    """--generation-backend auto: on CUDA copy (--dtype auto) or static (bfloat16); else shared."""
     if args.generation_backend != "auto":
         return args.generation_backend
     return {"auto": "copy", "bfloat16": "static"}.get(args.dtype, "shared") if device.type == "cuda" else "shared"
 
 
 def check_bf16_updates(run, model, lr: float) -> None:
-    """Warn if most bfloat16 weights w would not move by an AdamW step (about lr): w + lr rounds back to w where lr
-    is under half bfloat16's spacing at w (2^-9 to 2^-8 of |w|)."""
+    """Warn if most bfloat16 weights w would not move by an AdamW step (about lr): w + lr rounds back to w."""
     w = [p.detach() for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
     lost = sum(int(((p.float() + lr).to(p.dtype) == p).sum()) for p in w) / max(1, sum(p.numel() for p in w))
     if lost > 0.5:
         run.say(f"warning: --dtype bfloat16 at --learning-rate {lr:g} leaves {lost:.0%} of the weights unchanged by an "
-                f"update: --dtype auto trains float32 weights")
+                "update: use --dtype auto")
 
 
 class Forward(torch.nn.Module):
-    """fn(module, *args) as a module's forward, for DDP and FSDP2, which act around forward."""
+    """fn(module, *args) as a module's forward (DDP and FSDP2 act around forward)."""
 
     def __init__(self, fn: Callable, module):
         super().__init__()
@@ -839,8 +829,7 @@ class Forward(torch.nn.Module):
 
 
 def sampler_gap(run, gap_sum, tokens) -> float:
-    """The mean |sampler - trainer| log-prob of the completion tokens over all processes; a first-batch gap beyond
-    float rounding stops the run: the update would be off-policy."""
+    """The mean |sampler - trainer| log-prob of the completion tokens: on the first batch, float rounding at most."""
     a = run.args
     exact = generation_backend(a, run.device) != "copy" and a.dtype != "bfloat16" and (
         run.device.type != "cuda" or a.dtype == "float32")
@@ -849,16 +838,16 @@ def sampler_gap(run, gap_sum, tokens) -> float:
     tolerance = 1e-3 if exact else 0.25
     if not getattr(run, "sampler_checked", False) and gap > tolerance:
         raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
-                         f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature)")
+                         f"> {tolerance}: generate does not sample softmax(logits / --temperature)")
     run.sampler_checked = True
     return gap
 
 
-CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, which final/ keeps
+CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, kept in final/
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Keep only its generation_config's special tokens, so that generate samples softmax(logits / T) -> EOS ids."""
+    """Only its generation_config's special tokens, so generate samples softmax(logits / T) -> EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -873,7 +862,7 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """--<flag>'s split with `columns`: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
+    """--<flag>'s split: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
     split, path = getattr(args, flag), Path(args.dataset).expanduser()
     file = path / f"{split}.jsonl" if path.is_dir() else path
     skip = f", or skip this split with --{flag.replace('_', '-')} None" if "eval" in flag else ""
@@ -897,15 +886,15 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{file} is empty: it needs at least one JSON line")
         try:
             ds = Dataset.from_dict({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
-        except (TypeError, ValueError) as e:  # pyarrow: a column's rows of different types (2 and "1/2")
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{file}: a column's values differ in type ({e}): give each column one type") from None
     else:
         check_local_or_hub("dataset", args.dataset)
         try:
             ds = load_dataset(args.dataset, split=split)
-        except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
-                             "has it; or pass a folder of <split>.jsonl files)") from None
+        except Exception as e:
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online, or pass a folder of "
+                             "<split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         where = file if path.is_file() else f"split '{split}'"
@@ -916,14 +905,13 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{path} has 1 row: none to hold out for eval; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
         if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
-            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
-                  f"for evaluation")
+            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out")
         ds = parts["test" if "eval" in flag else "train"]
     return ds
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hub (offline: a model in the cache)."""
+    """True for a local path; a hub id must be on the Hub (offline: in the cache)."""
     if Path(name).expanduser().exists():
         return True
     hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
@@ -936,10 +924,10 @@ def check_local_or_hub(kind: str, name: str) -> bool:
            "pass a folder of <split>.jsonl files")
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+        if offline and kind == "model":
             snapshot_download(name, local_files_only=True)
         found = offline or repo_exists(name, repo_type=kind)
-    except Exception as e:  # not cached, no network, a proxy: say so now, not after retries
+    except Exception as e:  # not cached, no network, a proxy
         raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
                          f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
                          "cache holds it, or ") + get) from None
@@ -950,7 +938,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
-    args.notes = []  # notices printed once every check has passed (Run.__enter__)
+    args.notes = []  # Run.__enter__ prints them
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -963,39 +951,38 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
         try:
             if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
                 raise ValueError(f"'{name}' is not a model folder: it has no config.json")
-        except ValueError as e:  # named by the first flag that holds it
-            raise ValueError(f"--{next(k for k, v in vars(args).items() if v == name).replace('_', '-')}: {e}") from None
+        except ValueError as e:
+            flag = next(k for k, v in vars(args).items() if v == name)
+            raise ValueError(f"--{flag.replace('_', '-')}: {e}") from None
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
-        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one, or --resume one of its checkpoints")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the lr never leaves warmup
         if args.warmup_steps != type(args)().warmup_steps:
             args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
-    from transformers import AutoConfig, AutoModel
-
     if "LOCAL_RANK" not in os.environ:
         raise ValueError("--fsdp needs several processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
+        raise ValueError("--fsdp with --lora-r is not supported: drop one (LoRA fits DDP)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
         raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     config = AutoConfig.from_pretrained(getattr(args, "model_config", None) or args.model_name_or_path)
-    with torch.device("meta"):  # weightless, to find the decoder layers
+    with torch.device("meta"):  # weightless
         decoder_layers(AutoModel.from_config(config))
 
 
 def decoder_layers(model) -> list:
-    """The blocks FSDP2 shards one by one: the longest ModuleList of one class (model.layers, h, ...)."""
+    """FSDP2's units: the longest ModuleList of one class (model.layers, h, ...)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
     if not lists:
-        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: use DDP (drop --fsdp)")
+        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: drop --fsdp (DDP)")
     return list(max(lists, key=len))
 
 
 def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
-    """Before the model loads: the longest prompt plus new tokens fit the model's positions."""
+    """The longest prompt plus new tokens fit the model's positions."""
     context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
     if context and longest + new_tokens > context:
         raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
@@ -1003,7 +990,7 @@ def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
 
 
 def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
-    """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to `cap`."""
+    """`requested`, or with 0 the largest divisor of a process's batch up to `cap`."""
     works = [d for d in range(1, min(requested or cap, per_process) + 1) if per_process % d == 0][-1]
     if requested and works != requested:
         raise ValueError(f"{what} = {per_process} is not divisible by --micro-batch-size {requested}: use "
@@ -1012,8 +999,8 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
-    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: paths beside this file
+    """--resume: the run's args, plus the flags given here that `may_change` -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: beside this file
         beside = Path(__file__).parent / getattr(args, name)
         if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
             setattr(args, name, str(beside))
@@ -1035,7 +1022,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         if name not in may_change:
             may = ", ".join("--" + n.replace("_", "-") for n in may_change)
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} and "
-                             f"cannot change on resume (drop it, or start a new run); these may: {may}")
+                             f"cannot change on resume (drop it); these may: {may}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -1047,7 +1034,7 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 
 def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, sharded=None):
-    """A temporary folder, renamed: a killed run leaves no half checkpoint (--fsdp: gathered `weights`, `sharded`)."""
+    """A temporary folder, renamed: a killed run leaves no half checkpoint."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=weights)
@@ -1066,39 +1053,35 @@ def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, shar
 
 
 class Run:
-    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
+    """One process's run: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        if self.ddp:  # the group ends at exit, after main's DDP modules (a reducer outliving it can hang gloo)
-            import atexit
-
+        if self.ddp:  # ended at exit, after main's DDP modules (else gloo can hang)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             atexit.register(dist.destroy_process_group)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
-        cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        cuda = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = args.fsdp, [], None  # trained: (root, optimizer)
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
-        if not args.resume:  # rank 0's clock names the run (clocks may straddle a second)
+        set_seed(args.seed)
+        if not args.resume:  # rank 0's clock names the run
             stamp = torch.tensor([int(time.time())], device=self.device)
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
             args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
         self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
-        self.start = self.step = self.steps_done = 0
+        self.start = self.step = 0
         self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
         self.signal, self.saved_at, self.saved_step, self.evaluating, self.evaluated = 0, time.time(), -1, False, False
         self.progress = self.rank == 0 and sys.stderr.isatty()
 
     def restore(self, model, optimizer, scheduler):
-        """--resume: weights (shards, LoRA or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
-        self.trained[0].train()  # from_pretrained leaves eval mode (no gradient checkpointing)
+        """--resume: weights, optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
+        self.trained[0].train()  # from_pretrained leaves eval mode
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -1111,7 +1094,6 @@ class Run:
             set_state_dict(*self.trained, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
         elif getattr(self.args, "lora_r", 0):
             from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
 
             set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(self.device)))
         else:
@@ -1128,24 +1110,22 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); with --dtype auto on
-        CUDA it computes in bfloat16 and reduces in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy()
         if self.device.type == "cuda" and self.args.dtype == "auto":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
         for unit in [*layers, module]:  # the root last
             fully_shard(unit, mesh=mesh, mp_policy=mp)
         self.sharded.append(module)
-        module._get_fsdp_state()._lazy_init()  # `module` is the root even if a layer runs first (e.g. generate)
+        module._get_fsdp_state()._lazy_init()  # the root even if a layer runs first (generate)
         return module
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights inside: no collective per decode step (processes may take different step counts)."""
+        """--fsdp: whole weights inside: decoding needs no collective per step."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1160,7 +1140,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model):
-        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
+        """--fsdp: the whole state dict on rank 0's CPU; else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -1169,12 +1149,11 @@ class Run:
         if self.rank != 0:
             return None
         first = {}
-        for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
+        for k, v in model.state_dict(keep_vars=True).items():  # tied weights: one tensor
             whole[k] = whole[first.setdefault(id(v), k)]
         return whole
 
     def gather(self, x):
-        """[n, ...] on each process -> [world * n, ...] in rank order."""
         if not self.ddp:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]
@@ -1188,17 +1167,17 @@ class Run:
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
-        if self.fsdp:  # each process writes its shards; rank 0 moves them in
+        if self.fsdp:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:  # and checkpoints/last, a link to it
+        if self.rank == 0:
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
             last = path.with_name("last")
-            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run (a link raises: ignored)
+            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run
             last.unlink(missing_ok=True)
             last.symlink_to(path.name)
         self.barrier()
@@ -1208,8 +1187,7 @@ class Run:
         if self.ddp:
             dist.barrier()
 
-    def log(self, metrics: dict, table=None):
-        """A row of metrics.jsonl and W&B (`table`: key, columns, rows), with perf/peak_gb on CUDA."""
+    def log(self, metrics: dict, table=None):  # table: (key, columns, rows)
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -1226,7 +1204,7 @@ class Run:
             tqdm.write(text) if self.progress else print(text, flush=True)
 
     def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
-        """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed; a stop cuts it short."""
+        """Rank 0's measure() -> (metrics, samples), logged and printed; a stop cuts it short."""
         metrics, samples = {}, []
         with self.whole(), contextlib.suppress(InterruptedError):  # raised by interrupt()
             self.evaluating = not self.stopping() and self.rank == 0
@@ -1241,13 +1219,13 @@ class Run:
 
     def __enter__(self):
         args = self.args
-        if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this one
+        if self.rank == 0 and args.resume:  # drop half-written checkpoints and rows logged after this one
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
             metrics = self.dir / "metrics.jsonl"
             rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= self.start]
             metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the run's own start values (summary) and last eval (progress line)
+            for row in rows:
                 self.first, self.last = {**row, **self.first}, {**self.last, **row}
                 self.evaluated = self.evaluated or row["step"] == self.start and "eval/" in str(row)
             saved = json.loads((self.dir / "args.json").read_text())
@@ -1259,23 +1237,23 @@ class Run:
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes here first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-            (self.dir / "metrics.jsonl").touch()  # (a run stopped in its first evaluation logs nothing)
+            (self.dir / "metrics.jsonl").touch()  # (a resume reads it)
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
-        for note in getattr(args, "notes", []):  # (check_common's)
+        for note in getattr(args, "notes", []):
             self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+    def interrupt(self, signum, frame):  # SIGTERM (preemption) as the first Ctrl-C
         ctrl_c, self.signal = signum == signal.SIGINT, signum
         if ctrl_c:
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C quits
         if self.rank == 0:
             print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: saving a checkpoint after step {self.step}" +
                   " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
-        if self.evaluating:  # cut short (evaluate() catches it); a step runs to its end
+        if self.evaluating:  # evaluate() catches it; a step runs to its end
             self.evaluating = False
             raise InterruptedError
 
@@ -1285,12 +1263,12 @@ class Run:
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def steps(self, measure, save):
-        """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
+        """Steps start+1 .. --total-steps, evaluating and saving; a signal saves and ends."""
         args = self.args
-        if args.track and self.rank == 0:  # a failure (no login): __exit__ removes a new run dir
+        if args.track and self.rank == 0:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
@@ -1304,7 +1282,6 @@ class Run:
                 return
             self.step, t0 = step, time.perf_counter()
             yield step
-            self.steps_done += 1
             self.seconds += time.perf_counter() - t0
             self.report()
             if step % every == 0 and step != args.total_steps:
@@ -1313,10 +1290,10 @@ class Run:
                 save()
 
     def stopping(self, save=None) -> bool:
-        """Stop all processes if one had a signal (or a pause); save then, or when --save-every-minutes is due."""
-        minutes = self.steps_done and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
+        """A signal (or pause) in one process stops all; save then, or when --save-every-minutes is due."""
+        minutes = self.step > self.start and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
         flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
-        if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
+        if self.ddp:  # whichever process the signal reached
             dist.all_reduce(flags, dist.ReduceOp.MAX)
         self.stop = int(flags[0])
         if save and (self.stop or flags[1]) and self.saved_step != self.step:
@@ -1324,8 +1301,7 @@ class Run:
         return bool(self.stop)
 
     def report(self):
-        """The key numbers on the progress bar (a terminal), else a line every --log-every steps."""
-        per_step = self.seconds / self.steps_done
+        per_step = self.seconds / (self.step - self.start)
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
         if self.progress:  # (tqdm shows s/step)
@@ -1335,16 +1311,16 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it)."""
         final.update({} if self.stop else self.evaluate(measure))
-        self.stopping()  # a signal in the last step or evaluation stops here
+        self.stopping()  # a signal in the last step or evaluation
         if self.saved_step != self.step:
             save()
         if not self.stop:
             if self.rank == 0 or self.fsdp:  # (--fsdp: all processes gather)
                 model = model if isinstance(model, torch.nn.Module) else model()
                 weights = self.full_weights(model)
-            if self.rank == 0:  # (sft.py --final-dir: there instead)
+            if self.rank == 0:
                 path = Path(getattr(self.args, "final_dir", None) or self.dir / "final")
                 save_pretrained(path, model, tokenizer, weights=weights)
                 print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
@@ -1352,25 +1328,25 @@ class Run:
                 print(f"final model: {path}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
-        if self.stop:  # the last line printed
+        if self.stop:
             self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    """main(the flags); our ValueErrors in one line."""
     boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
     flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
         stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
-        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
+        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (True: a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
         if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library: the traceback says where
+            raise  # from a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

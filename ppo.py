@@ -1,7 +1,7 @@
 """PPO-RLHF: a policy and a separate value model, a per-token KL reward, GAE and an adaptive KL coefficient.
 
-The RLHF loop of Ziegler et al. (arXiv:1909.08593) and InstructGPT (arXiv:2203.02155), following "The N+
-Implementation Details of RLHF with PPO" (arXiv:2403.17031, "N+"):
+The RLHF loop of Ziegler et al. (arXiv:1909.08593) and InstructGPT (arXiv:2203.02155), as "The N+ Implementation
+Details of RLHF with PPO" (arXiv:2403.17031, "N+"):
     1. sample a completion o of each prompt q from pi_old and score it: s = R(q, o)
     2. r_t = -beta KL_t + [t = last token] s, KL_t = log pi_old(o_t) - log pi_ref(o_t)  (Eq. 2 of arXiv:2203.02155)
     3. GAE advantages A_t, returns R_t = A_t + V_t  (Eq. 16 of arXiv:1506.02438)
@@ -10,19 +10,20 @@ Implementation Details of RLHF with PPO" (arXiv:2403.17031, "N+"):
 
 Run:
     python ppo.py  # models/tiny-arith on data/arith, CPU
-    python ppo.py --reward rm.json  # a learned reward model: {"type": "reward_model", "model": "runs/<rm>/final"}
+    python ppo.py --reward rm.json  # a reward model: {"type": "reward_model", "model": "runs/<rm>/final"}
     python ppo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
         --max-completion-length 512 --micro-batch-size 8 --learning-rate 1e-6 --lora-r 16
-    torchrun --nproc-per-node 2 ppo.py  # data parallel (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 ppo.py  # data parallel
 
-Deviations (why, and the measurements: docs/ppo.md):
-- The value model is a separate network (as N+) with a zero scalar head, so V = 0 at the start.
+Deviations (why, measurements: docs/ppo.md):
+- The value model is a separate network (as N+) with a zero scalar head: V = 0 at the start.
 - Defaults fit the embedded 0.9M-parameter model: 2 epochs, lr 1e-4 (value 1e-3), fixed beta 0.05, k1.
 - --early-stop-kl stops a step's epochs early (as CleanRL); --kl-controller step moves beta by 1.5 (the PPO paper: 2).
 - Log-probs are of softmax(logits / T), the distribution sampled from (N+); advantages are whitened per process.
-- With --lora-r both models get adapters and the reference is the policy with its adapters off.
+- --lora-r: both models get adapters; the reference is the policy with its adapters off.
 """
 
+import atexit
 import contextlib
 import copy
 import inspect
@@ -44,16 +45,17 @@ import torch
 import torch.distributed as dist
 import tyro
 from datasets import Dataset, load_dataset
+from safetensors.torch import load_file
 from tqdm import tqdm
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
-                          GenerationConfig)
-from transformers.utils import logging as hf_logging
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
+                          DynamicCache, GenerationConfig)
+from transformers import logging as hf_logging, set_seed
 
 try:
     from kernels import clipped_policy_loss, linear_token_logprobs
     from kernels.torch_ref import kl_estimate
     from rewards import DEFAULT_SPEC, make_reward
-except ModuleNotFoundError as e:  # a copied script needs rewards.py and kernels/ beside it
+except ModuleNotFoundError as e:
     if e.name not in ("kernels", "rewards"):
         raise
     sys.exit(f"error: {e.name} not found: copy rewards.py and kernels/ from cleanrl-llm into {Path(__file__).parent}")
@@ -68,11 +70,11 @@ class Algorithm:
     max_completion_length: int = 40
     """most new tokens per completion (also in eval)"""
     temperature: float = 0.7
-    """sampling temperature (log-probs are tempered too)"""
+    """sampling temperature (of the log-probs too)"""
     reward: str = DEFAULT_SPEC
     """reward functions name:weight,... (rewards.py) or a JSON file"""
     center_scores_per_prompt: bool = False
-    """subtract each prompt's mean score (Bradley-Terry rewards; needs --num-generations > 1)"""
+    """subtract each prompt's mean score (Bradley-Terry rewards; --num-generations > 1)"""
     gold_reward: Optional[str] = None
     """a reward logged as rewards/gold, not trained on (what a learned --reward approximates)"""
     missing_eos_penalty: float = 0.0
@@ -82,15 +84,15 @@ class Algorithm:
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """per-token KL estimator, http://joschu.net/blog/kl-approx.html"""
     kl_controller: Literal["fixed", "adaptive", "step"] = "fixed"
-    """fixed, or move beta toward --kl-controller-target: gradually (adaptive) or x or / 1.5 (step)"""
+    """fixed, or move beta to --kl-controller-target: gradually (adaptive) or x or / 1.5 (step)"""
     kl_controller_target: float = 0.0
-    """KL per completion (sum over its tokens) that --kl-controller steers toward"""
+    """KL per completion (summed over its tokens) --kl-controller steers to"""
     kl_horizon: int = 10000
     """adaptive controller's horizon, in completions"""
     gamma: float = 1.0
     """discount factor"""
     lam: float = 0.95
-    """lambda of advantage estimation (GAE; 1: whole returns)"""
+    """GAE's lambda (1: whole returns)"""
     whiten_advantages: bool = True
     """advantages to mean 0, std 1 over the batch's tokens"""
     whiten_rewards: bool = False
@@ -112,7 +114,7 @@ class Algorithm:
     early_stop_kl: Optional[float] = None
     """end a step's epochs once one's mean KL to the rollout policy exceeds this (None: never)"""
     importance_sampling_cap: Optional[float] = None
-    """cap on the per-token loss weight p_old / p_sampler (sampler numerics differ; None: off)"""
+    """cap on the per-token loss weight p_old / p_sampler (None: off)"""
 
 
 @dataclass
@@ -124,7 +126,7 @@ class ModelData:
     value_model_layers: int = 0
     """keep the value model's first N decoder layers (0: all)"""
     dataset: str = "data/arith"
-    """folder of <split>.jsonl files, a JSON-lines file, or a hub dataset id"""
+    """folder of <split>.jsonl files, a JSON-lines file, or a hub id"""
     dataset_split: str = "train"
     """split of training prompts"""
     eval_split: Optional[str] = "test"
@@ -132,7 +134,7 @@ class ModelData:
     prompt_column: str = "prompt"
     """prompt column: text, or chat messages (--use-chat-template)"""
     answer_column: str = "answer"
-    """reference answer column (`answer` to rewards)"""
+    """reference answer column (rewards' `answer`)"""
     use_chat_template: bool = False
     """wrap prompts in the tokenizer's chat template"""
     max_prompt_length: int = 256
@@ -140,7 +142,7 @@ class ModelData:
     eval_limit: int = 500
     """at most this many eval examples"""
     lora_r: int = 0
-    """LoRA (low-rank adapter) rank on each linear layer of both models (0: off)"""
+    """LoRA rank on each linear layer of both models (0: off)"""
     lora_alpha: float = 32.0
     """LoRA scale: the update is x alpha / r"""
     lora_dropout: float = 0.0
@@ -158,7 +160,7 @@ class Optimisation:
     pause_at_step: int = 0
     """stop after this step with a checkpoint, as Ctrl-C does (0: never)"""
     micro_batch_size: int = 0
-    """completions per forward/backward pass (0: the mini-batch's largest divisor up to 128)"""
+    """completions per forward/backward (0: largest divisor of the mini-batch <= 128)"""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """after warmup: cosine or linear decay to 0, or constant"""
     warmup_steps: int = 30
@@ -172,15 +174,15 @@ class Optimisation:
 @dataclass
 class Logging:
     log_every: int = 1
-    """steps between rows of metrics.jsonl"""
+    """steps per row of metrics.jsonl"""
     eval_every: int = 50
-    """steps between evaluations (0: at start and end)"""
+    """steps per evaluation (0: first and last)"""
     save_every: int = 0
     """steps between checkpoints (0: at the end or a stop)"""
     save_every_minutes: float = 30.0
     """also save every this many minutes (0: off)"""
     resume: Optional[str] = None
-    """runs/<run>/checkpoints/step_N to continue, with the run's arguments"""
+    """runs/<run>/checkpoints/step_N to continue"""
     num_sample_completions: int = 8
     """completions per log step in the --track table"""
     output_dir: str = "runs"
@@ -194,18 +196,18 @@ class Engineering:
     device: str = "auto"
     """cuda, cpu, or auto (cuda if available)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """weights dtype; auto: float32 with bfloat16 autocast on CUDA"""
+    """weights dtype; auto: float32, bfloat16 autocast on CUDA"""
     generation_backend: Literal["auto", "shared", "static", "copy"] = "auto"
-    """auto: on CUDA copy (--dtype auto) or static (bfloat16), else shared; shared: one prefill per prompt;
-    static: static KV cache; copy: static on a bfloat16 weight copy"""
+    """shared: one prefill per prompt; static: a static KV cache; copy: static on a bfloat16 copy; auto: on CUDA
+    copy (static at --dtype bfloat16), else shared"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass"""
+    """recompute activations in backward"""
     fsdp: bool = False
-    """under torchrun, shard weights, gradients, optimiser states (FSDP2), not DDP"""
+    """under torchrun, shard weights, gradients, AdamW states (FSDP2), not DDP"""
     exp_name: str = "ppo"
     """part of the run directory's name"""
     seed: int = 1
-    """seed of the RNGs and the data order"""
+    """seed of the RNGs and data order"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "cleanrl-llm"
@@ -225,13 +227,13 @@ class Args(Engineering, Logging, Optimisation, ModelData, Algorithm):
 
 
 def masked_mean(x, mask):
-    """Mean of x over the entries where mask is 1. x, mask: [B, T] -> scalar."""
+    """Mean of x where mask is 1. x, mask: [B, T] -> scalar."""
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def masked_whiten(x, mask, shift_mean: bool = True):
-    """(x - mean) / std over the real entries, unbiased variance (as TRL); shift_mean=False adds the mean back.
-    x, mask: [B, T] -> [B, T], 0 on padding."""
+    """(x - mean) / std over the real entries, unbiased (as TRL); shift_mean=False adds the mean back. x, mask: [B,
+    T] -> [B, T], 0 on padding."""
     mean, n = masked_mean(x, mask), mask.sum()
     var = masked_mean((x - mean) ** 2, mask) * n / (n - 1).clamp(min=1.0)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
@@ -240,7 +242,7 @@ def masked_whiten(x, mask, shift_mean: bool = True):
 
 def per_token_rewards(scores, kl, mask, kl_coef: float):
     """-kl_coef KL_t at each real token, plus the score at the last (Eq. 2 of arXiv:2203.02155 per token, as N+).
-    scores: [B]; kl, mask: [B, T] -> rewards [B, T], 0 on padding."""
+    scores: [B]; kl, mask: [B, T] -> [B, T], 0 on padding."""
     rewards = -kl_coef * kl * mask
     lengths = mask.sum(dim=1).long()
     rewards[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] += scores * (lengths > 0)
@@ -263,7 +265,7 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 def value_loss(values, old_values, returns, mask, cliprange_value: float):
     """PPO2's clipped value loss (kept by N+), 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token mean.
-    All [B, T] -> (loss, share of tokens where the clipped term won)."""
+    All [B, T] -> (loss, share of tokens the clipped term won)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(unclipped_loss, clipped_loss), mask)
@@ -272,7 +274,7 @@ def value_loss(values, old_values, returns, mask, cliprange_value: float):
 
 @dataclass
 class KLController:
-    """KL coefficient beta, updated each step from the batch's KL; n = completions in the batch.
+    """KL coefficient beta, updated each step from the batch's KL over n completions:
     adaptive (Sec. 2.2 of arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, +-0.2) n / horizon.
     step (Sec. 4 of arXiv:1707.06347, 1.5 for its 2): beta x 1.5 above 1.5 target, / 1.5 below target / 1.5."""
     kind: str
@@ -291,7 +293,7 @@ class KLController:
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var(R - V) / Var(R) over real tokens (nan if R is constant). All [B, T] -> float."""
+    """1 - Var(R - V) / Var(R) over real tokens (nan for a constant R). All [B, T] -> float."""
     def variance(x):
         return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
     var_returns = variance(returns)
@@ -299,8 +301,8 @@ def explained_variance(values, returns, mask) -> float:
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """completion_ids: [B, T]; eos_ids: [K] -> (mask [B, T] float32: the tokens up to and including the first EOS,
-    truncated [B] bool: no EOS)."""
+    """completion_ids: [B, T]; eos_ids: [K] -> (mask [B, T] float32: tokens up to the first EOS included, truncated
+    [B] bool: no EOS)."""
     is_eos = torch.isin(completion_ids, eos_ids)
     eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
     return (eos_before == 0).float(), ~is_eos.any(dim=1)
@@ -309,7 +311,7 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tupl
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                         temperature: float, with_entropy: bool = False):
     """input_ids, attention_mask: [B, Tp + Tc], prompts left-padded to Tp -> log-probs [B, Tc] float32 (, entropy
-    [B, Tc]) from the hidden states and lm_head, never the full logits. Positions count real tokens, as in generate."""
+    [B, Tc]), never the full logits; positions count real tokens, as in generate."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
@@ -319,7 +321,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 class PolicyAndValueModel(torch.nn.Module):
-    """The policy and value model as one module (DDP, FSDP2), saved as the policy's folder + value_model/."""
+    """Policy and value model as one module (DDP, FSDP2), saved as the policy's folder + value_model/."""
 
     def __init__(self, policy, value_model, tokenizer):
         super().__init__()
@@ -342,17 +344,17 @@ class PolicyAndValueModel(torch.nn.Module):
 
 
 def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
-    """`name`'s backbone with a scalar head (a one-label token classifier), zero unless `name` has one so that V = 0
-    at the start; layers > 0 keeps the first `layers` decoder blocks."""
+    """`name`'s backbone with a scalar head (a one-label token classifier), zero unless `name` has one (V = 0 at the
+    start); layers > 0 keeps the first `layers` decoder blocks."""
     has_head = any(a.endswith("ForTokenClassification") for a in AutoConfig.from_pretrained(name).architectures or [])
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the head is set below: no "newly initialized" warning
+    hf_logging.set_verbosity_error()  # the head is set below: no "newly initialized" report
     model = AutoModelForTokenClassification.from_pretrained(name, num_labels=1, dtype=dtype)
     hf_logging.set_verbosity(verbosity)
     if not has_head:
         for p in (getattr(model, "score", None) or model.classifier).parameters():
             torch.nn.init.zeros_(p)
-    if layers:  # the decoder blocks are the longest ModuleList (model.layers; GPT-2's transformer.h)
+    if layers:  # the decoder blocks: the longest ModuleList
         del max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)[layers:]
         model.config.num_hidden_layers = layers
         if getattr(model.config, "layer_types", None):
@@ -361,8 +363,8 @@ def load_value_model(name: str, dtype: torch.dtype, layers: int = 0):
 
 
 def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int):
-    """prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc] -> `size` rows at a time, longest completion
-    first: [(rows, first column holding a prompt token, completion width)]."""
+    """prompt_mask: [B, Tp] (left-padded), completion_mask: [B, Tc] -> `size` rows at a time, longest first: [(rows,
+    first prompt-token column, completion width)]."""
     lengths = completion_mask.sum(dim=1)
     out = []
     for rows in torch.argsort(lengths, descending=True, stable=True).split(size):
@@ -371,8 +373,8 @@ def length_sorted_micro_batches(prompt_mask: torch.Tensor, completion_mask: torc
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
-    at s0 with a new `total`, the decay goes on from f0 to 0 at the new last step."""
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): a
+    resume at s0 with a new `total` decays from f0."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -391,7 +393,7 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) -> list[str]:
-    """The prompts as text: as they are, or wrapped in the tokenizer's chat template."""
+    """The prompts as text, or wrapped in the tokenizer's chat template."""
     if not use_chat_template:
         if not isinstance(values[0], str):
             raise ValueError(f"prompts in column '{column}' are chat messages: pass --use-chat-template")
@@ -403,8 +405,8 @@ def prompt_texts(tokenizer, values: list, use_chat_template: bool, column: str) 
 
 
 def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
-    """Prompts tokenised once (their last --max-prompt-length tokens) and the reward's inputs: the prompts and
-    `columns` ({name: column}) -> {"ids", "texts", "columns"}."""
+    """Prompts tokenised once (their last --max-prompt-length tokens), the reward's inputs (the prompts, `columns`:
+    {name: column}) -> {"ids", "texts", "columns"}."""
     prompts = list(split[args.prompt_column])
     texts = prompt_texts(tokenizer, prompts, args.use_chat_template, args.prompt_column)
     ids = [p[-args.max_prompt_length:] for p in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -414,7 +416,7 @@ def rl_prompts(args, tokenizer, split, columns: dict) -> dict:
 
 
 def eval_prompts_and_answers(args, tokenizer) -> tuple[list, list]:
-    """The first --eval-limit prompts (as text) and answers of --eval-split ([], [] without one)."""
+    """--eval-split's first --eval-limit prompts (as text) and answers ([], [] without one)."""
     if not args.eval_split:
         return [], []
     ev = load_split(args, "eval_split", [args.prompt_column, args.answer_column],
@@ -424,11 +426,10 @@ def eval_prompts_and_answers(args, tokenizer) -> tuple[list, list]:
 
 
 class DataOrder:
-    """Prompt indices in seeded random epochs; draws go on across steps, and across a resume."""
+    """Prompt indices in seeded random epochs, drawn on across steps and resumes."""
 
     def __init__(self, n: int, seed: int):
-        self.n = n
-        self.gen = torch.Generator().manual_seed(seed)
+        self.n, self.gen = n, torch.Generator().manual_seed(seed)
         self.order, self.cursor = torch.randperm(n, generator=self.gen), 0
 
     def draw(self, k: int) -> list[int]:
@@ -450,7 +451,7 @@ class DataOrder:
 
 @torch.no_grad()
 def ppo_rollout(model, tokenizer, data: dict, rows: list, gen_config, backend, eos_ids, reward, autocast, timing):
-    """Step 1 for the prompts `rows` of rl_prompts' data: sample (one batched generate) and score."""
+    """Step 1 for the prompts `rows` of rl_prompts' data: sample and score."""
     ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
@@ -472,13 +473,13 @@ def ppo_rollout(model, tokenizer, data: dict, rows: list, gen_config, backend, e
 
 def truncated_is_weights(old_logp, sampler_logp, mask, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] each -> (min(pi_old / pi_sampler, cap) per token, 1 on padding; capped [B, T] bool): the sampler drew
-    the tokens, the loss is an expectation under pi_old (the trainer's numerics)."""
+    the tokens, the loss expects pi_old's."""
     ratio = torch.exp((old_logp - sampler_logp) * mask)
     return ratio.clamp(max=cap), (ratio > cap) & (mask > 0)
 
 
 def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float):
-    """pi_ref's log-probs: the frozen copy's, or with LoRA the policy's with its adapters off."""
+    """pi_ref's log-probs: the frozen copy's, or with LoRA the policy's, adapters off."""
     if ref_model is not None:
         return ref_model(*inputs, temperature)
     with model.disable_adapter():
@@ -486,8 +487,8 @@ def ppo_reference_logprobs(ref_model, model, inputs: tuple, temperature: float):
 
 
 def ppo_micro_batches(batch: dict, rows, size: int) -> list:
-    """`rows` in length-sorted micro-batches trimmed to their widest prompt and completion
-    -> [(rows, (input_ids, attention_mask, prompt_width), completion width)]."""
+    """`rows` in length-sorted micro-batches cut to their widest prompt and completion -> [(rows, (input_ids,
+    attention_mask, prompt_width), completion width)]."""
     width, out = batch["prompt_ids"].shape[1], []
     for i, first, end in length_sorted_micro_batches(batch["prompt_mask"][rows], batch["completion_mask"][rows], size):
         r = rows[i]
@@ -498,8 +499,8 @@ def ppo_micro_batches(batch: dict, rows, size: int) -> list:
 
 @torch.no_grad()
 def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, args, autocast, run) -> dict:
-    """The batch plus "ids", "attention", log-probs of pi_old "old_logp" and (beta > 0) pi_ref "ref_logp", V_old
-    "old_values", "sampler_gap" (TIS: "tis", "tis_capped")."""
+    """The batch plus "ids", "attention", pi_old's "old_logp", (beta > 0) pi_ref's "ref_logp", V_old "old_values",
+    "sampler_gap" (TIS: "tis", "tis_capped")."""
     mask = batch["completion_mask"]
     batch = {**batch, "ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
              "attention": torch.cat([batch["prompt_mask"], mask.long()], dim=1)}
@@ -518,8 +519,8 @@ def old_logprobs_and_values(actor_critic, ref_model, batch: dict, micro: int, ar
 
 
 def compute_advantages(batch: dict, kl_coef: float, args) -> dict:
-    """Steps 2-3: scores (less --missing-eos-penalty without EOS), per-token rewards with KL_t, GAE, whitening
-    -> {"scores" [B], "kl", "advantages", "returns"}."""
+    """Steps 2-3: scores (less --missing-eos-penalty without EOS), per-token rewards, GAE, whitening -> {"scores"
+    [B], "kl", "advantages", "returns"}."""
     mask = batch["completion_mask"]
     scores = batch["rewards"]["total"].to(mask.device) - args.missing_eos_penalty * batch["truncated"].float()
     kl = kl_estimate(batch["old_logp"], batch["ref_logp"], args.kl_estimator) * mask if args.beta > 0 else 0 * mask
@@ -537,8 +538,7 @@ PPO_STATS = ("policy_loss", "value_loss", "clip_frac", "value_clip_frac", "appro
 
 def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast) -> dict:
     """Step 4: --num-ppo-epochs passes over --num-mini-batches shuffled mini-batches, an update each on the token
-    means of clipped policy loss x TIS weights, value loss, entropy bonus (Eq. 7, 9 of arXiv:1707.06347)
-    -> token sums of PPO_STATS, "tokens", grad norms, "ppo_epochs"."""
+    means of clipped policy loss (x TIS weights), value loss, entropy bonus (Eq. 7, 9 of arXiv:1707.06347) -> sums."""
     mask, ddp = batch["completion_mask"], isinstance(actor_critic, torch.nn.parallel.DistributedDataParallel)
     sums = dict.fromkeys((*PPO_STATS, "tokens"), 0.0)
     for epoch in range(args.num_ppo_epochs):
@@ -566,8 +566,8 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
                 epoch_kl += torch.stack([approx_kl * tokens, m.sum()])
             norms = [torch.nn.utils.clip_grad_norm_(g["params"], args.max_grad_norm) for g in optimizer.param_groups]
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if args.early_stop_kl is not None:  # every process sees the same KL, so all stop together
+            optimizer.zero_grad()
+        if args.early_stop_kl is not None:  # the same KL on every process: all stop together
             if dist.is_initialized():
                 dist.all_reduce(epoch_kl)
             if float(epoch_kl[0] / epoch_kl[1]) > args.early_stop_kl:
@@ -576,7 +576,7 @@ def ppo_update(actor_critic, optimizer, batch: dict, micro: int, args, autocast)
 
 
 def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, args) -> dict:
-    """The step's metrics over all processes: rewards per component, KL, losses, clipping, critic fit."""
+    """The step's metrics over all processes."""
     mask = batch["completion_mask"]
     local = {**{k: stats[k] for k in (*PPO_STATS, "tokens")}, "length": mask.sum(), "n": len(mask),
              "truncated": batch["truncated"].sum(), "capped": batch["tis_capped"].sum() if "tis" in batch else 0,
@@ -599,21 +599,21 @@ def ppo_metrics(run, batch: dict, stats: dict, kl_coef: float, batch_kl: float, 
 
 
 def perf_metrics(timing: dict, tokens: int, steps: int) -> dict:
-    """Seconds per step of each phase since the last log row; tokens per second (all processes)."""
+    """Seconds per step of each phase since the last log row; tokens per second."""
     per_step = {f"perf/{k}_s": v / steps for k, v in timing.items()}
     return {"perf/tokens_per_s": tokens / max(timing["step"], 1e-9), **per_step}
 
 
 def sample_table(step: int, batch: dict, n: int) -> tuple[str, list, list]:
-    """The first n completions of the batch as the --track table."""
+    """The --track table of the batch's first n completions."""
     rows = zip(batch["prompts"][:n], batch["completions"][:n], batch["rewards"]["total"][:n], batch["scores"][:n])
     return "train/samples", ["step", "prompt", "completion", "reward", "score"], [
         [step, p, c, float(r), float(s)] for p, c, r, s in rows]
 
 
 def load_policy_and_value_model(args, device, tokenizer):
-    """The policy and value model (dropout off, LoRA on both), the frozen reference (None with LoRA or beta = 0)
-    -> (model, value model, reference, EOS ids)."""
+    """The policy and value model (dropout off, LoRA on both), the frozen reference (None with LoRA or beta = 0) ->
+    (model, value model, reference, EOS ids)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device)
     value_model = load_value_model(args.value_model_name_or_path or args.model_name_or_path, dtype,
@@ -624,7 +624,7 @@ def load_policy_and_value_model(args, device, tokenizer):
     eos_ids = own_generation_config(model, tokenizer)
     if args.gradient_checkpointing:
         for m in (model, value_model):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.gradient_checkpointing_enable()
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -639,11 +639,10 @@ def load_policy_and_value_model(args, device, tokenizer):
 
 
 def restore_value_model(value_model, args, run) -> None:
-    """--resume: the value model from value_model/ (LoRA adapters or all weights; --fsdp: in the shards)."""
+    """--resume: the value model from value_model/ (LoRA adapters or weights; --fsdp: the shards)."""
     path = Path(args.resume) / "value_model"
     if args.lora_r:
         from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
 
         set_peft_model_state_dict(value_model, load_file(path / "adapter_model.safetensors", device=str(run.device)))
     elif not run.fsdp:
@@ -651,7 +650,7 @@ def restore_value_model(value_model, args, run) -> None:
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its own arguments); processes and seeds.
+    # 0. Check every input first (--resume: the run's own arguments); processes and seeds.
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     reward = make_reward(args.reward)
@@ -659,7 +658,7 @@ def main(args: Args) -> dict:
     run = Run(args, overrides, ("train/reward", "eval/accuracy") + ("train/kl",) * (args.beta > 0))
     device, world, G = run.device, run.world, args.num_generations
 
-    # 1. Data: prompts tokenised once, the rewards' columns, the eval split; prompt + completion fit the context.
+    # 1. Data: prompts tokenised once, the rewards' columns, the eval split; all fit the context.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     needed = reward.required_columns | (gold.required_columns if gold else set())
@@ -673,21 +672,20 @@ def main(args: Args) -> dict:
         if name:  # None: the policy's
             check_context(AutoConfig.from_pretrained(name), ids, args.max_completion_length, "--max-completion-length")
 
-    # 2. Models: the policy and the value model, one module for DDP / FSDP2; the frozen reference.
+    # 2. Models: policy and value model, one module for DDP / FSDP2; the frozen reference.
     model, value_model, ref_model, eos_ids = load_policy_and_value_model(args, device, tokenizer)
     check_bf16_updates(run, model, args.learning_rate)
     raw_actor_critic = actor_critic = PolicyAndValueModel(model, value_model, tokenizer)
-    if run.fsdp:  # each decoder layer sharded
+    if run.fsdp:
         actor_critic = run.shard(actor_critic, decoder_layers(model) + decoder_layers(value_model))
         ref_model = ref_model and run.shard(ref_model, decoder_layers(ref_model))
     elif run.ddp:
         actor_critic = torch.nn.parallel.DistributedDataParallel(actor_critic)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
-    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0,  # the full softmax(logits/T)
-                                  max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=eos_ids)
+    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, eos_token_id=eos_ids,
+                                  max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id)
 
-    # 3. Optimiser (a group per model), schedule, KL controller, data order; on --resume their states.
+    # 3. Optimiser (a group per model), schedule, KL controller, data order; --resume restores them.
     param_groups = [{"params": [p for p in m.parameters() if p.requires_grad], "lr": lr}
                     for m, lr in ((model, args.learning_rate), (value_model, args.value_learning_rate))]
     optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.99), weight_decay=args.weight_decay)
@@ -705,7 +703,7 @@ def main(args: Args) -> dict:
         kl_ctl.value = state["kl_coef"]
         order.load(state)
         lr_anchor = state["lr_anchor"]
-        if "total_steps" in overrides:  # the decay goes on from here to the new last step
+        if "total_steps" in overrides:  # decay from here to the new last step
             lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0],
                                               args.lr_schedule, lr_anchor))
 
@@ -727,13 +725,13 @@ def main(args: Args) -> dict:
     run.say(f"run directory: {run.dir}  |  {len(data['ids'])} training prompts, {len(eval_prompts)} eval prompts, "
             f"{sizes} trainable parameters (policy + value) on {device}")
     final, tokens, last_log = {}, 0, run.start
-    timing = dict.fromkeys(("step", "generate", "score", "train"), 0.0)  # seconds since the last log row
+    timing = dict.fromkeys(("step", "generate", "score", "train"), 0.0)  # since the last log row
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
             run.stop = run.stop or step == args.pause_at_step  # (checked after the step)
-            # 4a. Roll out G completions of each prompt from pi_old and score them (Sec. 2 of arXiv:1909.08593).
-            with run.whole():  # --fsdp: whole weights while sampling (processes may run different step counts)
+            # 4a. Roll out G completions per prompt from pi_old, score them (Sec. 2 of arXiv:1909.08593).
+            with run.whole():  # --fsdp: whole weights while sampling
                 rows = [i for i in order.draw(args.prompts_per_step // world) for _ in range(G)]
                 batch = ppo_rollout(model, tokenizer, data, rows, gen_config, generation_backend(args, device), eos_ids,
                                     reward, autocast, timing)
@@ -743,7 +741,7 @@ def main(args: Args) -> dict:
             if gold is not None:  # logged, never in the loss
                 batch["rewards"]["gold"] = torch.tensor(gold(batch["completions"], **batch["reward_inputs"]))
             t_train = time.perf_counter()
-            # 4b. pi_old's and pi_ref's log-probs and V_old (no gradients); the sampler's gap to pi_old.
+            # 4b. pi_old's and pi_ref's log-probs, V_old (no gradients); the sampler's gap to pi_old.
             batch = old_logprobs_and_values(raw_actor_critic, ref_model, batch, micro, args, autocast, run)
             # 4c. Per-token rewards -beta KL_t + [t = last] s, GAE, whitened advantages.
             kl_coef = kl_ctl.value
@@ -752,7 +750,7 @@ def main(args: Args) -> dict:
             stats = ppo_update(actor_critic, optimizer, batch, micro, args, autocast)
             lr = scheduler.get_last_lr()[0]  # this step's rate (logged below)
             scheduler.step()
-            # 4e. Adapt beta to the batch's KL: the mean over completions of the summed per-token KL.
+            # 4e. Adapt beta to the batch's KL (per completion, summed over its tokens).
             batch_kl = float(run.gather(batch["kl"].sum(dim=1)).mean())
             kl_ctl.update(batch_kl, args.prompts_per_step * G)
             timing["train"] += time.perf_counter() - t_train
@@ -779,7 +777,7 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "sa
 
 
 def check_args(args: Args) -> int:
-    """Every check that needs no model or data loading -> the micro-batch each process uses."""
+    """Checks needing no model or data -> the micro-batch each process uses."""
     value_name = args.value_model_name_or_path or args.model_name_or_path
     check_common(args, ("total_steps", "prompts_per_step", "num_generations", "max_completion_length",
                         "max_prompt_length", "log_every", "num_ppo_epochs", "num_mini_batches", "kl_horizon",
@@ -814,18 +812,17 @@ def check_args(args: Args) -> int:
             raise ValueError(message)
     return fit_micro_batch(args.micro_batch_size, per_process // args.num_mini_batches, "each mini-batch")
 
-# ---- plumbing, need not be modified (a name is one text in all scripts): checks, run, resume, W&B, Ctrl-C, torchrun.
+# ---- plumbing: one text per name in all scripts
 
 
 def warn_if_nothing_learns(run, row: dict, alike: bool):
-    """Once, if the first 3 logged steps each scored all completions `alike` (GRPO: in each group) or had no gradient."""
+    """Once, if the first 3 logged steps each scored all completions `alike` or had no gradient."""
     run.flat = [*getattr(run, "flat", []), alike or row["train/grad_norm"] == 0]
     if run.flat == [True] * 3:
         parts = ", ".join(f"{k[8:]} {v:.3g}" for k, v in row.items() if k.startswith("rewards/"))
         run.say(f"warning: nothing can be learned: the first 3 steps scored their completions alike (train/reward "
-                f"{row['train/reward']:.3g}: {parts}) or had no gradient, so no advantage is ever nonzero (is none "
-                "ever right?). What helps: a start that is sometimes right (SFT), partial credit (e.g. format), "
-                "more --num-generations")
+                f"{row['train/reward']:.3g}: {parts}) or had no gradient; try an SFT start, partial credit, more "
+                "--num-generations")
 
 
 def answer_matches(text: str, answer) -> bool:
@@ -880,12 +877,10 @@ class SampledLogprobs:
 
 
 def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts -> completions [B, Tc] (padded after EOS), the log-probs they were sampled with. shared: each
-    run of equal rows prefilled once, its KV cache repeated; else a static KV cache."""
-    from transformers import DynamicCache
-
+    """Left-padded prompts -> completions [B, Tc] (padded after EOS), their sampled log-probs. shared: equal rows
+    prefilled once; else a static KV cache."""
     training = model.training
-    model.eval()  # in training mode gradient checkpointing turns the KV cache off
+    model.eval()  # (training mode: gradient checkpointing, no KV cache)
     seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
     if backend != "shared":  # a static cache holds one dtype; bf16 autocast makes keys float32 (RoPE), values bf16
         gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
@@ -899,7 +894,7 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
                   position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
             cache.batch_repeat_interleave(counts)
             extra["past_key_values"] = cache
-        with precision:  # (--fsdp samples with whole weights: no lockstep)
+        with precision:  # (--fsdp: whole weights, no lockstep)
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
                                  logits_processor=[seen], synced_gpus=False, **extra)
     finally:
@@ -911,12 +906,12 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
 @torch.no_grad()
 @torch.autocast("cuda", enabled=False)  # LoRA's B A in float32
 def sampler_copy(model):
-    """The model's bfloat16 copy (made once), the weights written over in place, LoRA merged, so compiled CUDA
-    graphs stay valid. Called in Run.whole (--fsdp: whole weights)."""
+    """The model's bfloat16 copy (made once), its weights written over in place (CUDA graphs stay valid), LoRA
+    merged; --fsdp: inside Run.whole."""
     base = model.get_base_model() if hasattr(model, "peft_config") else model
-    if "bf16_copy" not in vars(base):  # a function: outside parameters(), state_dict() and deepcopy (the LoRA merge)
+    if "bf16_copy" not in vars(base):  # a function: not in parameters(), state_dict(), deepcopy (LoRA merge)
         cuda = [base.device] if base.device.type == "cuda" else []
-        with torch.random.fork_rng(cuda), torch.device(base.device):  # its random init leaves the run's RNG alone
+        with torch.random.fork_rng(cuda), torch.device(base.device):  # leaves the run's RNG alone
             sampler = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=torch.bfloat16)
         vars(base)["bf16_copy"] = lambda: sampler
     sampler, weights = base.bf16_copy(), dict(base.named_parameters())
@@ -933,24 +928,22 @@ def sampler_copy(model):
 
 
 def generation_backend(args, device) -> str:
-    """--generation-backend auto: on CUDA copy (--dtype auto) or static (bfloat16); else shared."""
     if args.generation_backend != "auto":
         return args.generation_backend
     return {"auto": "copy", "bfloat16": "static"}.get(args.dtype, "shared") if device.type == "cuda" else "shared"
 
 
 def check_bf16_updates(run, model, lr: float) -> None:
-    """Warn if most bfloat16 weights w would not move by an AdamW step (about lr): w + lr rounds back to w where lr
-    is under half bfloat16's spacing at w (2^-9 to 2^-8 of |w|)."""
+    """Warn if most bfloat16 weights w would not move by an AdamW step (about lr): w + lr rounds back to w."""
     w = [p.detach() for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
     lost = sum(int(((p.float() + lr).to(p.dtype) == p).sum()) for p in w) / max(1, sum(p.numel() for p in w))
     if lost > 0.5:
         run.say(f"warning: --dtype bfloat16 at --learning-rate {lr:g} leaves {lost:.0%} of the weights unchanged by an "
-                f"update: --dtype auto trains float32 weights")
+                "update: use --dtype auto")
 
 
 class Forward(torch.nn.Module):
-    """fn(module, *args) as a module's forward, for DDP and FSDP2, which act around forward."""
+    """fn(module, *args) as a module's forward (DDP and FSDP2 act around forward)."""
 
     def __init__(self, fn: Callable, module):
         super().__init__()
@@ -961,8 +954,7 @@ class Forward(torch.nn.Module):
 
 
 def sampler_gap(run, gap_sum, tokens) -> float:
-    """The mean |sampler - trainer| log-prob of the completion tokens over all processes; a first-batch gap beyond
-    float rounding stops the run: the update would be off-policy."""
+    """The mean |sampler - trainer| log-prob of the completion tokens: on the first batch, float rounding at most."""
     a = run.args
     exact = generation_backend(a, run.device) != "copy" and a.dtype != "bfloat16" and (
         run.device.type != "cuda" or a.dtype == "float32")
@@ -971,16 +963,16 @@ def sampler_gap(run, gap_sum, tokens) -> float:
     tolerance = 1e-3 if exact else 0.25
     if not getattr(run, "sampler_checked", False) and gap > tolerance:
         raise ValueError(f"the sampler and the trainer disagree: mean |log-prob gap| {gap:.3g} on the first batch "
-                         f"(tolerance {tolerance}): generate does not sample softmax(logits / --temperature)")
+                         f"> {tolerance}: generate does not sample softmax(logits / --temperature)")
     run.sampler_checked = True
     return gap
 
 
-CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, which final/ keeps
+CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, kept in final/
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Keep only its generation_config's special tokens, so that generate samples softmax(logits / T) -> EOS ids."""
+    """Only its generation_config's special tokens, so generate samples softmax(logits / T) -> EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -995,7 +987,7 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """--<flag>'s split with `columns`: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
+    """--<flag>'s split: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
     split, path = getattr(args, flag), Path(args.dataset).expanduser()
     file = path / f"{split}.jsonl" if path.is_dir() else path
     skip = f", or skip this split with --{flag.replace('_', '-')} None" if "eval" in flag else ""
@@ -1019,15 +1011,15 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{file} is empty: it needs at least one JSON line")
         try:
             ds = Dataset.from_dict({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
-        except (TypeError, ValueError) as e:  # pyarrow: a column's rows of different types (2 and "1/2")
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{file}: a column's values differ in type ({e}): give each column one type") from None
     else:
         check_local_or_hub("dataset", args.dataset)
         try:
             ds = load_dataset(args.dataset, split=split)
-        except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
-                             "has it; or pass a folder of <split>.jsonl files)") from None
+        except Exception as e:
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online, or pass a folder of "
+                             "<split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         where = file if path.is_file() else f"split '{split}'"
@@ -1038,14 +1030,13 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{path} has 1 row: none to hold out for eval; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
         if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
-            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
-                  f"for evaluation")
+            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out")
         ds = parts["test" if "eval" in flag else "train"]
     return ds
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hub (offline: a model in the cache)."""
+    """True for a local path; a hub id must be on the Hub (offline: in the cache)."""
     if Path(name).expanduser().exists():
         return True
     hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
@@ -1058,10 +1049,10 @@ def check_local_or_hub(kind: str, name: str) -> bool:
            "pass a folder of <split>.jsonl files")
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+        if offline and kind == "model":
             snapshot_download(name, local_files_only=True)
         found = offline or repo_exists(name, repo_type=kind)
-    except Exception as e:  # not cached, no network, a proxy: say so now, not after retries
+    except Exception as e:  # not cached, no network, a proxy
         raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
                          f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
                          "cache holds it, or ") + get) from None
@@ -1072,7 +1063,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
-    args.notes = []  # notices printed once every check has passed (Run.__enter__)
+    args.notes = []  # Run.__enter__ prints them
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -1085,39 +1076,38 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
         try:
             if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
                 raise ValueError(f"'{name}' is not a model folder: it has no config.json")
-        except ValueError as e:  # named by the first flag that holds it
-            raise ValueError(f"--{next(k for k, v in vars(args).items() if v == name).replace('_', '-')}: {e}") from None
+        except ValueError as e:
+            flag = next(k for k, v in vars(args).items() if v == name)
+            raise ValueError(f"--{flag.replace('_', '-')}: {e}") from None
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
-        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one, or --resume one of its checkpoints")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the lr never leaves warmup
         if args.warmup_steps != type(args)().warmup_steps:
             args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
-    from transformers import AutoConfig, AutoModel
-
     if "LOCAL_RANK" not in os.environ:
         raise ValueError("--fsdp needs several processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
+        raise ValueError("--fsdp with --lora-r is not supported: drop one (LoRA fits DDP)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
         raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     config = AutoConfig.from_pretrained(getattr(args, "model_config", None) or args.model_name_or_path)
-    with torch.device("meta"):  # weightless, to find the decoder layers
+    with torch.device("meta"):  # weightless
         decoder_layers(AutoModel.from_config(config))
 
 
 def decoder_layers(model) -> list:
-    """The blocks FSDP2 shards one by one: the longest ModuleList of one class (model.layers, h, ...)."""
+    """FSDP2's units: the longest ModuleList of one class (model.layers, h, ...)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
     if not lists:
-        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: use DDP (drop --fsdp)")
+        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: drop --fsdp (DDP)")
     return list(max(lists, key=len))
 
 
 def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
-    """Before the model loads: the longest prompt plus new tokens fit the model's positions."""
+    """The longest prompt plus new tokens fit the model's positions."""
     context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
     if context and longest + new_tokens > context:
         raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
@@ -1125,7 +1115,7 @@ def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
 
 
 def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
-    """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to `cap`."""
+    """`requested`, or with 0 the largest divisor of a process's batch up to `cap`."""
     works = [d for d in range(1, min(requested or cap, per_process) + 1) if per_process % d == 0][-1]
     if requested and works != requested:
         raise ValueError(f"{what} = {per_process} is not divisible by --micro-batch-size {requested}: use "
@@ -1134,8 +1124,8 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
-    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: paths beside this file
+    """--resume: the run's args, plus the flags given here that `may_change` -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: beside this file
         beside = Path(__file__).parent / getattr(args, name)
         if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
             setattr(args, name, str(beside))
@@ -1157,7 +1147,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         if name not in may_change:
             may = ", ".join("--" + n.replace("_", "-") for n in may_change)
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} and "
-                             f"cannot change on resume (drop it, or start a new run); these may: {may}")
+                             f"cannot change on resume (drop it); these may: {may}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -1169,7 +1159,7 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 
 def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, sharded=None):
-    """A temporary folder, renamed: a killed run leaves no half checkpoint (--fsdp: gathered `weights`, `sharded`)."""
+    """A temporary folder, renamed: a killed run leaves no half checkpoint."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=weights)
@@ -1188,39 +1178,35 @@ def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, shar
 
 
 class Run:
-    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
+    """One process's run: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        if self.ddp:  # the group ends at exit, after main's DDP modules (a reducer outliving it can hang gloo)
-            import atexit
-
+        if self.ddp:  # ended at exit, after main's DDP modules (else gloo can hang)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             atexit.register(dist.destroy_process_group)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
-        cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        cuda = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = args.fsdp, [], None  # trained: (root, optimizer)
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
-        if not args.resume:  # rank 0's clock names the run (clocks may straddle a second)
+        set_seed(args.seed)
+        if not args.resume:  # rank 0's clock names the run
             stamp = torch.tensor([int(time.time())], device=self.device)
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
             args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
         self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
-        self.start = self.step = self.steps_done = 0
+        self.start = self.step = 0
         self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
         self.signal, self.saved_at, self.saved_step, self.evaluating, self.evaluated = 0, time.time(), -1, False, False
         self.progress = self.rank == 0 and sys.stderr.isatty()
 
     def restore(self, model, optimizer, scheduler):
-        """--resume: weights (shards, LoRA or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
-        self.trained[0].train()  # from_pretrained leaves eval mode (no gradient checkpointing)
+        """--resume: weights, optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
+        self.trained[0].train()  # from_pretrained leaves eval mode
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -1233,7 +1219,6 @@ class Run:
             set_state_dict(*self.trained, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
         elif getattr(self.args, "lora_r", 0):
             from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
 
             set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(self.device)))
         else:
@@ -1250,24 +1235,22 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); with --dtype auto on
-        CUDA it computes in bfloat16 and reduces in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy()
         if self.device.type == "cuda" and self.args.dtype == "auto":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
         for unit in [*layers, module]:  # the root last
             fully_shard(unit, mesh=mesh, mp_policy=mp)
         self.sharded.append(module)
-        module._get_fsdp_state()._lazy_init()  # `module` is the root even if a layer runs first (e.g. generate)
+        module._get_fsdp_state()._lazy_init()  # the root even if a layer runs first (generate)
         return module
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights inside: no collective per decode step (processes may take different step counts)."""
+        """--fsdp: whole weights inside: decoding needs no collective per step."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1282,7 +1265,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model):
-        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
+        """--fsdp: the whole state dict on rank 0's CPU; else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -1291,12 +1274,11 @@ class Run:
         if self.rank != 0:
             return None
         first = {}
-        for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
+        for k, v in model.state_dict(keep_vars=True).items():  # tied weights: one tensor
             whole[k] = whole[first.setdefault(id(v), k)]
         return whole
 
     def gather(self, x):
-        """[n, ...] on each process -> [world * n, ...] in rank order."""
         if not self.ddp:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]
@@ -1310,17 +1292,17 @@ class Run:
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
-        if self.fsdp:  # each process writes its shards; rank 0 moves them in
+        if self.fsdp:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:  # and checkpoints/last, a link to it
+        if self.rank == 0:
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
             last = path.with_name("last")
-            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run (a link raises: ignored)
+            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run
             last.unlink(missing_ok=True)
             last.symlink_to(path.name)
         self.barrier()
@@ -1330,8 +1312,7 @@ class Run:
         if self.ddp:
             dist.barrier()
 
-    def log(self, metrics: dict, table=None):
-        """A row of metrics.jsonl and W&B (`table`: key, columns, rows), with perf/peak_gb on CUDA."""
+    def log(self, metrics: dict, table=None):  # table: (key, columns, rows)
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -1348,7 +1329,7 @@ class Run:
             tqdm.write(text) if self.progress else print(text, flush=True)
 
     def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
-        """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed; a stop cuts it short."""
+        """Rank 0's measure() -> (metrics, samples), logged and printed; a stop cuts it short."""
         metrics, samples = {}, []
         with self.whole(), contextlib.suppress(InterruptedError):  # raised by interrupt()
             self.evaluating = not self.stopping() and self.rank == 0
@@ -1363,13 +1344,13 @@ class Run:
 
     def __enter__(self):
         args = self.args
-        if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this one
+        if self.rank == 0 and args.resume:  # drop half-written checkpoints and rows logged after this one
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
             metrics = self.dir / "metrics.jsonl"
             rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= self.start]
             metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the run's own start values (summary) and last eval (progress line)
+            for row in rows:
                 self.first, self.last = {**row, **self.first}, {**self.last, **row}
                 self.evaluated = self.evaluated or row["step"] == self.start and "eval/" in str(row)
             saved = json.loads((self.dir / "args.json").read_text())
@@ -1381,23 +1362,23 @@ class Run:
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes here first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-            (self.dir / "metrics.jsonl").touch()  # (a run stopped in its first evaluation logs nothing)
+            (self.dir / "metrics.jsonl").touch()  # (a resume reads it)
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
-        for note in getattr(args, "notes", []):  # (check_common's)
+        for note in getattr(args, "notes", []):
             self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+    def interrupt(self, signum, frame):  # SIGTERM (preemption) as the first Ctrl-C
         ctrl_c, self.signal = signum == signal.SIGINT, signum
         if ctrl_c:
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C quits
         if self.rank == 0:
             print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: saving a checkpoint after step {self.step}" +
                   " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
-        if self.evaluating:  # cut short (evaluate() catches it); a step runs to its end
+        if self.evaluating:  # evaluate() catches it; a step runs to its end
             self.evaluating = False
             raise InterruptedError
 
@@ -1407,12 +1388,12 @@ class Run:
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def steps(self, measure, save):
-        """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
+        """Steps start+1 .. --total-steps, evaluating and saving; a signal saves and ends."""
         args = self.args
-        if args.track and self.rank == 0:  # a failure (no login): __exit__ removes a new run dir
+        if args.track and self.rank == 0:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
@@ -1426,7 +1407,6 @@ class Run:
                 return
             self.step, t0 = step, time.perf_counter()
             yield step
-            self.steps_done += 1
             self.seconds += time.perf_counter() - t0
             self.report()
             if step % every == 0 and step != args.total_steps:
@@ -1435,10 +1415,10 @@ class Run:
                 save()
 
     def stopping(self, save=None) -> bool:
-        """Stop all processes if one had a signal (or a pause); save then, or when --save-every-minutes is due."""
-        minutes = self.steps_done and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
+        """A signal (or pause) in one process stops all; save then, or when --save-every-minutes is due."""
+        minutes = self.step > self.start and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
         flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
-        if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
+        if self.ddp:  # whichever process the signal reached
             dist.all_reduce(flags, dist.ReduceOp.MAX)
         self.stop = int(flags[0])
         if save and (self.stop or flags[1]) and self.saved_step != self.step:
@@ -1446,8 +1426,7 @@ class Run:
         return bool(self.stop)
 
     def report(self):
-        """The key numbers on the progress bar (a terminal), else a line every --log-every steps."""
-        per_step = self.seconds / self.steps_done
+        per_step = self.seconds / (self.step - self.start)
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
         if self.progress:  # (tqdm shows s/step)
@@ -1457,16 +1436,16 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it)."""
         final.update({} if self.stop else self.evaluate(measure))
-        self.stopping()  # a signal in the last step or evaluation stops here
+        self.stopping()  # a signal in the last step or evaluation
         if self.saved_step != self.step:
             save()
         if not self.stop:
             if self.rank == 0 or self.fsdp:  # (--fsdp: all processes gather)
                 model = model if isinstance(model, torch.nn.Module) else model()
                 weights = self.full_weights(model)
-            if self.rank == 0:  # (sft.py --final-dir: there instead)
+            if self.rank == 0:
                 path = Path(getattr(self.args, "final_dir", None) or self.dir / "final")
                 save_pretrained(path, model, tokenizer, weights=weights)
                 print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
@@ -1474,25 +1453,25 @@ class Run:
                 print(f"final model: {path}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
-        if self.stop:  # the last line printed
+        if self.stop:
             self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    """main(the flags); our ValueErrors in one line."""
     boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
     flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
         stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
-        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
+        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (True: a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
         if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library: the traceback says where
+            raise  # from a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

@@ -10,9 +10,9 @@ final/config.json (`reward_mean`, `reward_std`) for ppo.py's whitened rewards.
 
 Run (more: docs/reward_model.md and docs/rlhf_pipeline.md):
     python reward_model.py  # embedded: models/tiny-arith on data/arith prefs
-    torchrun --nproc-per-node 2 reward_model.py  # data parallel (gloo on CPU, nccl on GPU)
+    torchrun --nproc-per-node 2 reward_model.py  # data parallel
 
-Deviations (why, and the measurements: docs/reward_model.md):
+Deviations (why, measurements: docs/reward_model.md):
 - The new score head is initialised N(0, 1/(H+1)) as in lm-human-preferences (arXiv:2403.17031), not HF's std 0.02.
 - The text scored is prompt + response as the tokenizer encodes it (no EOS appended), read at its last real token.
 - One row per pair, the shared prefix once (`--pack-pairs`, arXiv:2410.20305), checked at start against plain rows.
@@ -21,6 +21,7 @@ Deviations (why, and the measurements: docs/reward_model.md):
 - Held-out accuracy counts ties as wrong; dropout is off.
 """
 
+import atexit
 import contextlib
 import copy
 import importlib.util
@@ -44,13 +45,14 @@ import torch
 import torch.distributed as dist
 import tyro
 from datasets import Dataset, load_dataset
+from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
-from transformers.utils import logging as hf_logging
+from transformers import AutoConfig, AutoModel, DynamicCache, logging as hf_logging, set_seed
 
 try:
     from rewards import make_reward
-except ModuleNotFoundError as e:  # a copied script needs rewards.py beside it
+except ModuleNotFoundError as e:
     if e.name != "rewards":
         raise
     sys.exit(f"error: {e.name} not found: copy rewards.py from cleanrl-llm into {Path(__file__).parent}")
@@ -59,11 +61,11 @@ except ModuleNotFoundError as e:  # a copied script needs rewards.py beside it
 @dataclass
 class Algorithm:
     center_rewards_coef: float = 0.0
-    """weight of a loss on the pair's score sum squared: scores near 0 (0: off; TRL suggests 0.01)"""
+    """weight of a loss on the pair's squared score sum: scores near 0 (0: off; TRL: 0.01)"""
     margin_column: Optional[str] = None
     """column of a per-pair margin >= 0 the chosen score must exceed the other's by (Llama 2)"""
     tie_strength: float = 0.0
-    """strength > 0 with which pairs marked `tie` pull their scores together (Davidson; 0: off)"""
+    """how strongly pairs marked `tie` pull their scores together (Davidson; 0: off)"""
     tie_start_step: int = 0
     """the ties train only after this step"""
     ranking_column: Optional[str] = None
@@ -85,11 +87,10 @@ class Algorithm:
     """longest completion --comparisons samples, in tokens"""
 
 
-
 @dataclass
 class ModelData:
     model_name_or_path: str = "models/tiny-arith"
-    """folder or hub id of the LM or reward model to start from, and its tokenizer"""
+    """folder or hub id of the LM or reward model to start from (and its tokenizer)"""
     dataset: str = "data/arith"
     """folder of <split>.jsonl files, a JSON-lines file, or a hub id"""
     dataset_split: str = "prefs"
@@ -107,12 +108,11 @@ class ModelData:
     eval_limit: int = 500
     """at most this many eval examples"""
     lora_r: int = 0
-    """LoRA (low-rank adapter) rank on each linear layer (0: off; the score head trains in full); needs peft"""
+    """LoRA rank on each linear layer (0: off; the score head trains in full); needs peft"""
     lora_alpha: float = 32.0
     """LoRA scale: the update is x alpha / r"""
     lora_dropout: float = 0.0
     """dropout on the LoRA branch"""
-
 
 
 @dataclass
@@ -120,7 +120,7 @@ class Optimisation:
     learning_rate: float = 1e-3
     """peak learning rate of AdamW"""
     total_steps: int = 300
-    """optimiser steps (300: 4.8 epochs of the embedded pairs); may change on --resume"""
+    """optimiser steps (300: 4.8 epochs of the embedded pairs); may change on resume"""
     batch_size: int = 64
     """pairs per optimiser step, over all processes"""
     micro_batch_size: int = 0
@@ -135,7 +135,6 @@ class Optimisation:
     """gradient clipping by global norm"""
 
 
-
 @dataclass
 class Logging:
     log_every: int = 10
@@ -148,7 +147,6 @@ class Logging:
     """also save every this many minutes (0: off)"""
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue"""
-
 
 
 @dataclass
@@ -210,8 +208,8 @@ def bradley_terry_loss(chosen, rejected, margin=None, center_coef: float = 0.0, 
 
 
 def sequence_scores(model, input_ids, attention_mask) -> torch.Tensor:
-    """The classifier's score at each sequence's last real token (the rightmost that is not the pad id):
-    input_ids, attention_mask [B, T], padded on either side -> [B] float32. Position ids count real tokens only."""
+    """The classifier's score at each sequence's last real token (the rightmost non-pad id): input_ids,
+    attention_mask [B, T], padded on either side -> [B] float32. Position ids count real tokens only."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, 0].float()
 
@@ -230,7 +228,7 @@ def init_score_head(model, new_keys: set[str]) -> list[str]:
 
 def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: int, what: str, ties=None):
     """prompt + response, tokenised as the tokenizer does by default -> ([(chosen_ids, rejected_ids, margin, tie)],
-    pairs dropped as too long). No text may end in the pad id (its score would be read at an earlier token)."""
+    pairs dropped as too long). No text may end in the pad id (its score would be read earlier)."""
     c_ids, r_ids = (tokenizer([p + y for p, y in zip(prompts, ys)])["input_ids"] for ys in (chosen, rejected))
     pairs, dropped = [], 0
     for i, (c, r) in enumerate(zip(c_ids, r_ids)):
@@ -244,28 +242,28 @@ def tokenize_pairs(tokenizer, prompts, chosen, rejected, margins, max_length: in
                              f"classifier skips: strip it")
         pairs.append((c, r, float(margins[i]) if margins else 0.0, bool(ties and ties[i])))
     if not pairs:
-        raise ValueError(f"{what}: every pair is longer than --max-length {max_length} tokens: raise --max-length")
+        raise ValueError(f"{what}: every pair is longer than --max-length {max_length}: raise it")
     return pairs, dropped
 
 
 def ranking_pairs(scores: list[float]) -> list[tuple]:
-    """A labeler's scores of K responses to one prompt -> every pair (better, worse) of different scores, in index
-    order: the C(K,2) comparisons of a ranking less its ties, which state no preference."""
+    """A labeler's scores of K responses to a prompt -> every pair (better, worse) of unequal scores, in index order:
+    a ranking's C(K,2) comparisons less its ties."""
     return [(i, j) if scores[i] > scores[j] else (j, i)
             for i, j in itertools.combinations(range(len(scores)), 2) if scores[i] != scores[j]]
 
 
 def tied_pairs(scores: list[float], texts: list) -> list[tuple]:
-    """The pairs `ranking_pairs` leaves out: equal scores (a tie), of different texts (the same text twice says
-    nothing; texts: strings or token ids), in index order."""
+    """The pairs `ranking_pairs` leaves out: equal scores (a tie) of different texts (strings or token ids), in index
+    order."""
     return [(i, j) for i, j in itertools.combinations(range(len(scores)), 2)
             if scores[i] == scores[j] and texts[i] != texts[j]]
 
 
 def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_length: int, what: str, ties=None):
     """Pairs tagged with their ranking's id and size K -> ([(texts, [(better, worse, tie)], 1 / C(K,2))] per ranking:
-    its distinct texts prompt + response tokenised once, its pairs as indices into them, each pair's weight in Eq. 1),
-    pairs dropped as too long)."""
+    its distinct prompt + response texts tokenised, its pairs indexing them, their weight in Eq. 1), pairs dropped as
+    too long)."""
     grouped = {}
     for i, (p, c, r, key, k) in enumerate(zip(prompts, chosen, rejected, keys, sizes)):
         if type(k) is not int or k < 2:
@@ -288,7 +286,7 @@ def tokenize_rankings(tokenizer, prompts, chosen, rejected, keys, sizes, max_len
             rankings.append(([ids[t] for t in used], [(used[a], used[b], tie) for a, b, tie in kept],
                              1 / math.comb(k, 2)))
     if not rankings:
-        raise ValueError(f"{what}: every pair is longer than --max-length {max_length} tokens: raise --max-length")
+        raise ValueError(f"{what}: every pair is longer than --max-length {max_length}: raise it")
     return rankings, dropped
 
 
@@ -305,10 +303,10 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
-    """Prefix sharing (arXiv:2410.20305): token lists (a, b) -> one row a + b[n:], n = shared_prefix(a, b). The tail
-    b[n:] attends to the prefix and to itself, not to a's tail, its positions going on from the prefix: every token
-    sees what it sees alone. -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T],
-    and [B, 1] each: where b's tail starts (len(a)), n, the row's length."""
+    """Prefix sharing (arXiv:2410.20305): token lists (a, b) -> one row a + b[n:], n = shared_prefix(a, b); the tail
+    b[n:] attends to the prefix and itself, its positions going on from the prefix, so every token sees what it sees
+    alone -> ids [B, T] right-padded, allowed [B, T, T] bool (query, key), position ids [B, T], and [B, 1] each: where
+    b's tail starts (len(a)), n, the row's length."""
     shared = [shared_prefix(a, b) for a, b in pairs]
     rows = [a + b[n:] for (a, b), n in zip(pairs, shared)]
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], True, pad_id)
@@ -325,8 +323,7 @@ def pack_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple:
 
 @torch.no_grad()
 def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
-    """--pack-pairs, unless forward(packed) of a few pairs, packed against plain in eval mode, shows the model cannot
-    use it (e.g. an attention that ignores custom 4D masks): then rows of their own, with a notice."""
+    """--pack-pairs, unless a few pairs packed differ from plain ones in eval mode (attention ignoring 4D masks?)."""
     if not run.args.pack_pairs:
         return False
     was_training = model.training
@@ -347,8 +344,8 @@ def use_packing(run, model, forward: Callable[[bool], torch.Tensor]) -> bool:
 
 
 def optimizer_and_schedule(args, run, trained, model, overrides: dict) -> tuple:
-    """AdamW and lr_factor's schedule; on --resume the weights and both states -> (optimizer, scheduler, anchor,
-    trainer_state.pt's dict); anchor[0]: lr_factor's (s0, f0) once a resume changes --total-steps."""
+    """AdamW and lr_factor's schedule; --resume restores the weights and both -> (optimizer, scheduler, anchor,
+    trainer_state.pt's dict); anchor[0]: lr_factor's."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   betas=(0.9, 0.99), weight_decay=args.weight_decay)
     run.trained = (trained, optimizer)  # what --fsdp checkpoints in shards
@@ -357,15 +354,15 @@ def optimizer_and_schedule(args, run, trained, model, overrides: dict) -> tuple:
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, anchor[0]))
     state = run.restore(model, optimizer, scheduler)
     anchor[0] = state.get("lr_anchor")
-    if "total_steps" in overrides:  # the decay goes on from where it is to the new last step
+    if "total_steps" in overrides:  # decay from here to the new last step
         old = lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0], args.lr_schedule, anchor[0])
         anchor[0] = (run.start, old)
     return optimizer, scheduler, anchor, state
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
-    at s0 with a new `total`, the decay goes on from f0 to 0 at the new last step."""
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): a
+    resume at s0 with a new `total` decays from f0."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -376,8 +373,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
 
 
 def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) -> Optional[str]:
-    """What is wrong with a row as a preference pair, or None: `columns` (prompt, chosen, rejected, ...) filled in,
-    two different completions as text, a boolean `tie` (when read) and a number in column `margin` (when given)."""
+    """What is wrong with a row as a preference pair (`columns`: prompt, chosen, rejected, ...), or None."""
     chosen, rejected = row.get(columns[1]), row.get(columns[2])
     if missing := [c for c in columns if row.get(c) is None]:
         return f"no column {missing}: fill it in or remove the row"
@@ -392,9 +388,8 @@ def pair_problem(row: dict, columns: list[str], margin: Optional[str] = None) ->
 
 
 def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None):
-    """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem` before any
-    work: a bad row is one line naming the file and line (a hub split: its row). A folder without prefs.jsonl (the
-    default --dataset-split) trains on its train.jsonl of pairs, if any (said; args.json records it)."""
+    """--<flag>'s split with `columns` (prompt, chosen, rejected first), each row checked by `pair_problem`; a folder
+    without prefs.jsonl (the default split) trains on its train.jsonl, if of pairs."""
     path = Path(args.dataset).expanduser()
     train = path / "train.jsonl"
     if args.dataset_split == "prefs" and not (path / "prefs.jsonl").exists() and train.exists():
@@ -413,7 +408,7 @@ def load_pairs(args, flag: str, columns: list[str], margin: Optional[str] = None
 
 
 class PairOrder:
-    """Indices in seeded random epochs of whole batches (an epoch's incomplete last batch is skipped)."""
+    """Indices in seeded random epochs of whole batches (a partial last batch is skipped)."""
 
     def __init__(self, n: int, seed: int):
         self.n, self.gen = n, torch.Generator().manual_seed(seed)
@@ -434,10 +429,10 @@ class PairOrder:
 
 
 def pack_texts(pairs: list[tuple], pad_id: int) -> tuple:
-    """`pack_pairs` of the chosen and rejected texts -> (ids, allowed, position ids, ends [B, 2]: the columns of the
-    chosen and the rejected text's last token)."""
+    """`pack_pairs` of the chosen and rejected texts -> (ids, allowed, position ids, ends [B, 2]: the columns of each
+    text's last token)."""
     ids, allowed, position_ids, split, shared, length = pack_pairs([(c, r) for c, r, *_ in pairs], pad_id)
-    # the rejected text ends at the row's last real token, or inside the prefix when it has no tail of its own
+    # the rejected text ends at the row's last real token, or in the prefix if it has no tail
     ends = torch.cat([split - 1, torch.where(length > split, length - 1, shared - 1)], dim=1)
     return ids, allowed, position_ids, ends
 
@@ -450,8 +445,8 @@ def pair_batch(pairs: list[tuple], pad_id: int, packed: bool, device) -> list:
 
 class PairScorer(torch.nn.Module):
     """r(x, y_c), r(x, y_r) of a batch of pairs -> [B, 2] float32, from `pack_texts` rows (the backbone with their
-    mask, the score head read at the two ends) or plain rows (the classifier); or, flat, the classifier's
-    score of each row -> [N] (rankings): one module for DDP."""
+    mask, the score head read at the two ends) or plain rows (the classifier); flat: each row's score -> [N]
+    (rankings). One module for DDP."""
 
     def __init__(self, model, packed: bool):
         super().__init__()
@@ -473,8 +468,7 @@ class PairScorer(torch.nn.Module):
 
 @torch.no_grad()
 def score_sequences(model, rows: list, pad_id: int, device, autocast, batch_size: int = 256, progress: bool = False):
-    """Scores of token lists in eval mode -> [N] float32 on the CPU. Each distinct list is scored once, in length
-    order (less padding)."""
+    """Scores of token lists in eval mode -> [N] float32 on the CPU; each distinct list once, in length order."""
     model.eval()
     distinct = sorted(set(map(tuple, rows)), key=lambda t: (len(t), t))
     out = []
@@ -497,7 +491,7 @@ def pair_metrics(model, pairs, pad_id: int, device, autocast, progress: bool = F
 
 def load_preferences(args, tokenizer, flag: str, with_margin: bool, limit: Optional[int] = None):
     """A split's first `limit` pairs, checked (`load_pairs`) and tokenised (`tokenize_pairs`; the training split with
-    --ranking-column: `tokenize_rankings`). Rows whose `tie` is true are left out unless --tie-strength trains them."""
+    --ranking-column: `tokenize_rankings`); ties are left out unless --tie-strength trains them."""
     margin = args.margin_column if with_margin else None
     ranking = [args.ranking_column, "k"] if with_margin and args.ranking_column else []
     tie = ["tie"] * bool(with_margin and args.tie_strength)
@@ -516,8 +510,8 @@ def load_preferences(args, tokenizer, flag: str, with_margin: bool, limit: Optio
 
 @torch.no_grad()
 def policy_comparisons(args, tokenizer, ds, device, progress: bool, ties: bool) -> list[dict]:
-    """InstructGPT's comparisons (Sec. 3.5), a rule for the labelers: K samples of --policy per prompt of `ds`, scored
-    by --labeler -> pairs rows (`ranking_pairs`; with `ties` also `tied_pairs`, column `tie`), `ranking`, `k` = K."""
+    """InstructGPT's comparisons (Sec. 3.5) by a rule: K samples of --policy per prompt of `ds`, scored by --labeler
+    -> pairs rows (`ranking_pairs`; `ties`: also `tied_pairs`, column `tie`), `ranking`, `k` = K."""
     labeler = make_reward(args.labeler)
     prompts = list(ds[args.prompt_column])
     columns = {c: list(ds[c]) for c in sorted(labeler.required_columns)}
@@ -532,7 +526,7 @@ def policy_comparisons(args, tokenizer, ds, device, progress: bool, ties: bool) 
         completion_ids, _ = sample(policy, enc.input_ids.repeat_interleave(K, 0),
                                    enc.attention_mask.repeat_interleave(K, 0), gen)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        # texts the tokenizer makes one ("= 4" and "=4" here) are one text to the reward model: no pair of them
+        # texts the tokenizer makes one ("= 4", "=4") are one text to the reward model: no pair of them
         seen = tokenizer([prompts[i + k // K] + y for k, y in enumerate(texts)])["input_ids"]
         for j in range(len(enc.input_ids)):
             n, ys, seen_j = i + j, texts[j * K : (j + 1) * K], seen[j * K : (j + 1) * K]
@@ -546,8 +540,8 @@ def policy_comparisons(args, tokenizer, ds, device, progress: bool, ties: bool) 
 
 
 def comparison_data(args, run, tokenizer):
-    """--comparisons: comparisons.jsonl (and comparisons_test.jsonl of the eval split's prompts), written once by rank 0
-    into the run directory -> (the arguments that read them as rankings, the held-out comparisons as pairs)."""
+    """--comparisons: comparisons.jsonl (comparisons_test.jsonl: of the eval split), written once by rank 0 into the
+    run directory -> (the arguments that read them as rankings, the held-out comparisons as pairs)."""
     needed = [args.prompt_column, *sorted(make_reward(args.labeler).required_columns)]
     splits = {"dataset_split": load_split(args, "dataset_split", needed, "--prompt-column, or another --labeler")}
     for i, row in enumerate(splits["dataset_split"], 1):
@@ -564,14 +558,12 @@ def comparison_data(args, run, tokenizer):
                                       ties=flag == "dataset_split" and args.tie_strength > 0)
             if all(r.get("tie") for r in rows):
                 raise ValueError(f"--comparisons {args.comparisons}: every sample of each of {limit} prompts of split "
-                                 f"'{getattr(args, flag)}' got the same grade from --labeler, so none can be ranked "
-                                 "(a policy that is never right, or never wrong): start from a policy that is right "
-                                 "some of the time, or sample more (" + ("--comparison-prompts, " if "data" in flag else
-                                 "--eval-limit, ") + "--comparisons, --temperature)")
+                                 f"'{getattr(args, flag)}' got the same grade from --labeler, so none can be ranked: "
+                                 "start from a sometimes-right policy, or sample more (--comparisons, --temperature)")
             run.dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.rename(path)  # atomic: a killed run leaves no half-written file
+            tmp.rename(path)  # atomic
             n_ties = sum(bool(r.get("tie")) for r in rows)
             run.say(f"{path}: {len(rows) - n_ties} pairs and {n_ties} ties from {len({r['ranking'] for r in rows})} "
                     f"prompts x {args.comparisons} samples of {args.policy or args.model_name_or_path}")
@@ -586,7 +578,7 @@ def comparison_data(args, run, tokenizer):
 
 def collate_rankings(rankings, pad_id: int):
     """Rankings -> (ids [N, T] right-padded: every ranking's texts, attention mask [N, T], better [P], worse [P]: each
-    pair's rows, weights [P]: 1 / C(K,2) of its ranking, ties [P] bool)."""
+    pair's rows, weights [P]: 1 / C(K,2), ties [P] bool)."""
     rows, better, worse, weights, ties = [], [], [], [], []
     for texts, pairs, weight in rankings:
         better += [len(rows) + a for a, _, _ in pairs]
@@ -601,7 +593,7 @@ def collate_rankings(rankings, pad_id: int):
 def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: int, world: int, device,
                       autocast, rankings: bool = False, nu: float = 0.0) -> tuple:
     """One optimiser step on this process's pairs (or rankings), `micro` at a time, on Eq. 1's mean over the global
-    batch (a ranking's pairs weigh 1 / C(K,2) each). nu: Davidson's tie strength; at 0 a tie adds no loss."""
+    batch (a ranking's pairs weigh 1 / C(K,2)). nu: Davidson's tie strength (0: a tie adds no loss)."""
     ddp = isinstance(scorer, torch.nn.parallel.DistributedDataParallel)
     packed = (scorer.module if ddp else scorer).packed
     sums = dict.fromkeys(("loss", "correct", "margin", "reward", "pairs", "texts"), 0.0)
@@ -630,16 +622,16 @@ def preference_update(scorer, optimizer, items: list, micro: int, args, pad_id: 
             sums[key] += float(value)
     grad_norm = torch.nn.utils.clip_grad_norm_(scorer.parameters(), args.max_grad_norm)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return sums, grad_norm
 
 
 def load_reward_model(args: Args, tokenizer, device) -> tuple:
     """The causal LM with a new scalar head (a one-output sequence classifier), or a reward model; dropout off; LoRA
-    with --lora-r -> (model, the new head's parameters, initialised by `init_score_head`)."""
+    with --lora-r -> (model, the new head's parameters)."""
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the head is new on purpose: no "newly initialized" report
+    hf_logging.set_verbosity_error()  # no "newly initialized" report: the head is new on purpose
     model, loading = AutoModelForSequenceClassification.from_pretrained(
         args.model_name_or_path, num_labels=1, dtype=dtype, output_loading_info=True)
     hf_logging.set_verbosity(verbosity)
@@ -650,7 +642,7 @@ def load_reward_model(args: Args, tokenizer, device) -> tuple:
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable()
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -661,7 +653,7 @@ def load_reward_model(args: Args, tokenizer, device) -> tuple:
 
 def load_preference_splits(args: Args, run, tokenizer) -> tuple:
     """Every split, checked and tokenised before the model loads (--comparisons: made first) -> (training pairs or
-    rankings, held-out pairs, held-out comparisons, whether the training data are rankings)."""
+    rankings, held-out pairs and comparisons, whether rankings)."""
     data_args, held_out = comparison_data(args, run, tokenizer) if args.comparisons else (args, [])
     pairs, dropped = load_preferences(data_args, tokenizer, "dataset_split", with_margin=True)
     eval_pairs, eval_dropped = [], 0
@@ -673,8 +665,7 @@ def load_preference_splits(args: Args, run, tokenizer) -> tuple:
 
 
 def preference_metrics(run, sums: dict) -> dict:
-    """`preference_update`'s sums over every process -> the batch's loss, its preferences' accuracy and margin, and
-    the mean score."""
+    """`preference_update`'s sums over every process -> the batch's metrics."""
     total = run.gather(torch.tensor([list(sums.values())], dtype=torch.float64, device=run.device)).sum(0)
     s = dict(zip(sums, total.tolist()))
     return {"train/loss": s["loss"], "train/accuracy": s["correct"] / max(s["pairs"], 1),
@@ -686,31 +677,31 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "sa
 
 
 def main(args: Args) -> dict:
-    # 0. Check every input before any work (a resumed run takes its checkpoint's arguments); processes, device, seeds.
+    # 0. Check every input first (--resume: the run's own arguments); processes, device, seeds.
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
     micro = check_args(args)
     run = Run(args, overrides, shown=("train/loss", "train/accuracy", "eval/pref_accuracy"))
     device, world = run.device, run.world
 
-    # 1. Data: each pair as the token ids of prompt + chosen and prompt + rejected (and its margin), or rankings.
+    # 1. Data: pairs as the token ids of prompt + chosen, prompt + rejected (and margin), or rankings.
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     pad_id = tokenizer.pad_token_id
     pairs, eval_pairs, held_out, rankings = load_preference_splits(args, run, tokenizer)
 
-    # 2. Model: the causal LM with a new scalar head; one row per pair if it passes the check (rankings: a text a row).
+    # 2. Model: the causal LM with a new scalar head; a row per pair if it passes the check (rankings: per text).
     model, new_head = load_reward_model(args, tokenizer, device)
     packed = not rankings and use_packing(
         run, model, lambda p: PairScorer(model, p)(*pair_batch(pairs[:8], pad_id, p, device)))
     scorer = PairScorer(model, packed)
-    if run.fsdp:  # each decoder layer sharded over the processes (FSDP2)
+    if run.fsdp:
         scorer = run.shard(scorer, decoder_layers(model))
     elif run.ddp:
         scorer = torch.nn.parallel.DistributedDataParallel(
             scorer, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.dtype == "auto")
 
-    # 3. Optimiser, schedule and data order (the same on every process); on --resume the weights and their states.
+    # 3. Optimiser, schedule and data order (the same on every process); --resume restores them.
     optimizer, scheduler, lr_anchor, state = optimizer_and_schedule(args, run, scorer, model, overrides)
     order = PairOrder(len(pairs), args.seed)
     prefs = [i for i, p in enumerate(pairs) if rankings or not p[3]]  # until --tie-start-step (a ranking: masked)
@@ -743,11 +734,11 @@ def main(args: Args) -> dict:
     with run:
         for step in run.steps(measure, save):
             t_step = time.perf_counter()
-            # 4a. The next batch in epoch order (until --tie-start-step, of preferences); each process keeps its share.
+            # 4a. The next batch in epoch order (preferences until --tie-start-step); this process's share.
             ties = step > args.tie_start_step
             drawn = order.draw(args.batch_size) if ties else [prefs[i] for i in pref_order.draw(args.batch_size)]
             mine = [pairs[i] for i in drawn][run.rank * share : (run.rank + 1) * share]
-            # 4b. Score chosen and rejected in one pass and take a step on the loss of Eq. 1, its mean over the batch.
+            # 4b. Score chosen and rejected in one pass; a step on Eq. 1's mean over the batch.
             sums, grad_norm = preference_update(scorer, optimizer, mine, micro, args, pad_id, world, device, autocast,
                                                 rankings, args.tie_strength * ties)
             lr = scheduler.get_last_lr()[0]  # the rate of this step's update
@@ -755,7 +746,7 @@ def main(args: Args) -> dict:
             tokens += sum(sum(map(len, x[0])) if rankings else len(x[0]) + len(x[1]) for x in mine)  # the texts' tokens
             seconds += time.perf_counter() - t_step
 
-            # 4c. Log the loss, pair accuracy and margin of this step's batch, the timings.
+            # 4c. Log the batch's loss, pair accuracy and margin, the timings.
             if step % args.log_every == 0 or step == args.total_steps:
                 final = {"step": step, **preference_metrics(run, sums), "train/grad_norm": float(grad_norm),
                          "train/lr": lr, "perf/step_s": seconds / (step - last_log),
@@ -763,8 +754,8 @@ def main(args: Args) -> dict:
                 run.log(final)
                 tokens, seconds, last_log = 0, 0.0, step
 
-    # 5. The reward model (LoRA merged) and the mean and std of its scores of the training pairs' chosen texts (of
-    #    rankings: every text), for ppo.py's whitened rewards; the final evaluation, a checkpoint, final/ with them.
+    # 5. The reward model (LoRA merged) and its score mean and std over the training pairs' chosen texts (rankings:
+    #    every text) for ppo.py; the final evaluation, a checkpoint, final/.
     merged, stats = model, {}
     with run.whole():  # --fsdp: rank 0 scores with whole weights
         if run.rank == 0 and not run.stop:
@@ -776,7 +767,7 @@ def main(args: Args) -> dict:
             stats = {"reward_mean": float(chosen.mean()), "reward_std": float(chosen.std())}
             final.update({f"final/{k}": v for k, v in stats.items()})
 
-    def final_model():  # the statistics go into final/config.json, not into the last checkpoint's
+    def final_model():  # the statistics: in final/config.json only
         merged.config.update(stats)
         return merged
 
@@ -784,17 +775,17 @@ def main(args: Args) -> dict:
     notes = (f"reward statistics for ppo.py: {', '.join(f'{k} {v:.4g}' for k, v in stats.items())} (saved in "
              f"{final_dir}/config.json); `ppo.py --reward {final_dir / 'reward.json'}` scores with it",)
     if stats and not stats["reward_std"] > 1e-6:  # (nan: one text)
-        notes += ("warning: the reward model scores every training text alike, so ppo.py cannot whiten its scores "
-                  "(normalize): train it on more comparisons (--comparison-prompts) or for more steps",)
+        notes += ("warning: the reward model scores every training text alike, which ppo.py cannot whiten: train "
+                  "on more comparisons or for more steps",)
     out = run.finish(final, measure, save, final_model, tokenizer, notes=notes * bool(stats))
-    if run.rank == 0 and not out["interrupted"]:  # the spec of rewards.make_reward that scores with it, whitened
+    if run.rank == 0 and not out["interrupted"]:  # rewards.make_reward's spec, whitened
         spec = {"type": "reward_model", "model": str(final_dir.resolve()), "normalize": True}
         (final_dir / "reward.json").write_text(json.dumps(spec, indent=2) + "\n")
     return out
 
 
 def check_args(args: Args) -> int:
-    """Every check of the flags, before any work -> the micro-batch (pairs) of a process."""
+    """Checks of the flags -> the micro-batch (pairs) of a process."""
     positive = ("total_steps", "batch_size", "max_length", "log_every", "learning_rate", "comparison_prompts",
                 "temperature", "max_completion_length")
     non_negative = ("eval_every", "save_every", "warmup_steps", "eval_limit", "lora_r", "micro_batch_size",
@@ -802,12 +793,12 @@ def check_args(args: Args) -> int:
     check_common(args, positive, non_negative, (args.model_name_or_path, *[args.policy] * bool(args.policy)))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world:
-        raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: "
-                         f"use a multiple of {world}, e.g. {world * max(1, args.batch_size // world)}")
+        raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes: use a "
+                         f"multiple of {world}")
     what = f"each process's pairs (--batch-size / {world} processes)" if world > 1 else "--batch-size"
     micro = fit_micro_batch(args.micro_batch_size, args.batch_size // world, what)
     if args.lora_r and importlib.util.find_spec("peft") is None:
-        raise ValueError("--lora-r > 0 needs the peft package: `pip install peft` (or use --lora-r 0)")
+        raise ValueError("--lora-r needs peft: `pip install peft`")
     if args.tie_strength and args.margin_column:
         raise ValueError("--tie-strength with --margin-column: a tie has no margin; drop one of them")
     if args.tie_start_step and not args.tie_strength:
@@ -823,13 +814,12 @@ def check_args(args: Args) -> int:
                 "its pairs have no margin and are ranked by prompt: drop --margin-column and --ranking-column"))
         make_reward(args.labeler)  # a bad spec fails here
     elif not args.comparison_rankings:
-        raise ValueError("--no-comparison-rankings: there are no --comparisons to train as pairs (a pairs file "
-                         "trains as pairs without --ranking-column)")
+        raise ValueError("--no-comparison-rankings: there are no --comparisons to train as pairs")
     elif args.ranking_column and args.margin_column:
         raise ValueError("--ranking-column with --margin-column: a ranking's pairs carry no margin; drop one of them")
     return micro
 
-# ---- plumbing, need not be modified (a name is one text in all scripts): checks, run, resume, W&B, Ctrl-C, torchrun.
+# ---- plumbing: one text per name in all scripts
 
 
 class SampledLogprobs:
@@ -849,12 +839,10 @@ class SampledLogprobs:
 
 
 def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts -> completions [B, Tc] (padded after EOS), the log-probs they were sampled with. shared: each
-    run of equal rows prefilled once, its KV cache repeated; else a static KV cache."""
-    from transformers import DynamicCache
-
+    """Left-padded prompts -> completions [B, Tc] (padded after EOS), their sampled log-probs. shared: equal rows
+    prefilled once; else a static KV cache."""
     training = model.training
-    model.eval()  # in training mode gradient checkpointing turns the KV cache off
+    model.eval()  # (training mode: gradient checkpointing, no KV cache)
     seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
     if backend != "shared":  # a static cache holds one dtype; bf16 autocast makes keys float32 (RoPE), values bf16
         gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
@@ -868,7 +856,7 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
                   position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0)[:, :-1])  # generate's, for left padding
             cache.batch_repeat_interleave(counts)
             extra["past_key_values"] = cache
-        with precision:  # (--fsdp samples with whole weights: no lockstep)
+        with precision:  # (--fsdp: whole weights, no lockstep)
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config,
                                  logits_processor=[seen], synced_gpus=False, **extra)
     finally:
@@ -877,11 +865,11 @@ def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch
     return completion_ids, torch.cat([*seen.logp, seen.read(completion_ids[:, -1:])], dim=1)
 
 
-CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, which final/ keeps
+CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, kept in final/
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Keep only its generation_config's special tokens, so that generate samples softmax(logits / T) -> EOS ids."""
+    """Only its generation_config's special tokens, so generate samples softmax(logits / T) -> EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -896,7 +884,7 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """--<flag>'s split with `columns`: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
+    """--<flag>'s split: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
     split, path = getattr(args, flag), Path(args.dataset).expanduser()
     file = path / f"{split}.jsonl" if path.is_dir() else path
     skip = f", or skip this split with --{flag.replace('_', '-')} None" if "eval" in flag else ""
@@ -920,15 +908,15 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{file} is empty: it needs at least one JSON line")
         try:
             ds = Dataset.from_dict({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
-        except (TypeError, ValueError) as e:  # pyarrow: a column's rows of different types (2 and "1/2")
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{file}: a column's values differ in type ({e}): give each column one type") from None
     else:
         check_local_or_hub("dataset", args.dataset)
         try:
             ds = load_dataset(args.dataset, split=split)
-        except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
-                             "has it; or pass a folder of <split>.jsonl files)") from None
+        except Exception as e:
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online, or pass a folder of "
+                             "<split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         where = file if path.is_file() else f"split '{split}'"
@@ -939,14 +927,13 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{path} has 1 row: none to hold out for eval; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
         if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
-            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
-                  f"for evaluation")
+            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out")
         ds = parts["test" if "eval" in flag else "train"]
     return ds
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hub (offline: a model in the cache)."""
+    """True for a local path; a hub id must be on the Hub (offline: in the cache)."""
     if Path(name).expanduser().exists():
         return True
     hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
@@ -959,10 +946,10 @@ def check_local_or_hub(kind: str, name: str) -> bool:
            "pass a folder of <split>.jsonl files")
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+        if offline and kind == "model":
             snapshot_download(name, local_files_only=True)
         found = offline or repo_exists(name, repo_type=kind)
-    except Exception as e:  # not cached, no network, a proxy: say so now, not after retries
+    except Exception as e:  # not cached, no network, a proxy
         raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
                          f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
                          "cache holds it, or ") + get) from None
@@ -973,7 +960,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
-    args.notes = []  # notices printed once every check has passed (Run.__enter__)
+    args.notes = []  # Run.__enter__ prints them
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -986,39 +973,38 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
         try:
             if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
                 raise ValueError(f"'{name}' is not a model folder: it has no config.json")
-        except ValueError as e:  # named by the first flag that holds it
-            raise ValueError(f"--{next(k for k, v in vars(args).items() if v == name).replace('_', '-')}: {e}") from None
+        except ValueError as e:
+            flag = next(k for k, v in vars(args).items() if v == name)
+            raise ValueError(f"--{flag.replace('_', '-')}: {e}") from None
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
-        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one, or --resume one of its checkpoints")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the lr never leaves warmup
         if args.warmup_steps != type(args)().warmup_steps:
             args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
-    from transformers import AutoConfig, AutoModel
-
     if "LOCAL_RANK" not in os.environ:
         raise ValueError("--fsdp needs several processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
+        raise ValueError("--fsdp with --lora-r is not supported: drop one (LoRA fits DDP)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
         raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     config = AutoConfig.from_pretrained(getattr(args, "model_config", None) or args.model_name_or_path)
-    with torch.device("meta"):  # weightless, to find the decoder layers
+    with torch.device("meta"):  # weightless
         decoder_layers(AutoModel.from_config(config))
 
 
 def decoder_layers(model) -> list:
-    """The blocks FSDP2 shards one by one: the longest ModuleList of one class (model.layers, h, ...)."""
+    """FSDP2's units: the longest ModuleList of one class (model.layers, h, ...)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
     if not lists:
-        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: use DDP (drop --fsdp)")
+        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: drop --fsdp (DDP)")
     return list(max(lists, key=len))
 
 
 def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128) -> int:
-    """The micro-batch a process uses: `requested`, or with 0 the largest divisor of its batch up to `cap`."""
+    """`requested`, or with 0 the largest divisor of a process's batch up to `cap`."""
     works = [d for d in range(1, min(requested or cap, per_process) + 1) if per_process % d == 0][-1]
     if requested and works != requested:
         raise ValueError(f"{what} = {per_process} is not divisible by --micro-batch-size {requested}: use "
@@ -1027,8 +1013,8 @@ def fit_micro_batch(requested: int, per_process: int, what: str, cap: int = 128)
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
-    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: paths beside this file
+    """--resume: the run's args, plus the flags given here that `may_change` -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: beside this file
         beside = Path(__file__).parent / getattr(args, name)
         if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
             setattr(args, name, str(beside))
@@ -1050,7 +1036,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         if name not in may_change:
             may = ", ".join("--" + n.replace("_", "-") for n in may_change)
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} and "
-                             f"cannot change on resume (drop it, or start a new run); these may: {may}")
+                             f"cannot change on resume (drop it); these may: {may}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -1062,7 +1048,7 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 
 def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, sharded=None):
-    """A temporary folder, renamed: a killed run leaves no half checkpoint (--fsdp: gathered `weights`, `sharded`)."""
+    """A temporary folder, renamed: a killed run leaves no half checkpoint."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=weights)
@@ -1081,39 +1067,35 @@ def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, shar
 
 
 class Run:
-    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
+    """One process's run: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        if self.ddp:  # the group ends at exit, after main's DDP modules (a reducer outliving it can hang gloo)
-            import atexit
-
+        if self.ddp:  # ended at exit, after main's DDP modules (else gloo can hang)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             atexit.register(dist.destroy_process_group)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
-        cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        cuda = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = args.fsdp, [], None  # trained: (root, optimizer)
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
-        if not args.resume:  # rank 0's clock names the run (clocks may straddle a second)
+        set_seed(args.seed)
+        if not args.resume:  # rank 0's clock names the run
             stamp = torch.tensor([int(time.time())], device=self.device)
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
             args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
         self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
-        self.start = self.step = self.steps_done = 0
+        self.start = self.step = 0
         self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
         self.signal, self.saved_at, self.saved_step, self.evaluating, self.evaluated = 0, time.time(), -1, False, False
         self.progress = self.rank == 0 and sys.stderr.isatty()
 
     def restore(self, model, optimizer, scheduler):
-        """--resume: weights (shards, LoRA or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
-        self.trained[0].train()  # from_pretrained leaves eval mode (no gradient checkpointing)
+        """--resume: weights, optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
+        self.trained[0].train()  # from_pretrained leaves eval mode
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -1126,7 +1108,6 @@ class Run:
             set_state_dict(*self.trained, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
         elif getattr(self.args, "lora_r", 0):
             from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
 
             set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(self.device)))
         else:
@@ -1143,24 +1124,22 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); with --dtype auto on
-        CUDA it computes in bfloat16 and reduces in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy()
         if self.device.type == "cuda" and self.args.dtype == "auto":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
         for unit in [*layers, module]:  # the root last
             fully_shard(unit, mesh=mesh, mp_policy=mp)
         self.sharded.append(module)
-        module._get_fsdp_state()._lazy_init()  # `module` is the root even if a layer runs first (e.g. generate)
+        module._get_fsdp_state()._lazy_init()  # the root even if a layer runs first (generate)
         return module
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights inside: no collective per decode step (processes may take different step counts)."""
+        """--fsdp: whole weights inside: decoding needs no collective per step."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -1175,7 +1154,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model):
-        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
+        """--fsdp: the whole state dict on rank 0's CPU; else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -1184,12 +1163,11 @@ class Run:
         if self.rank != 0:
             return None
         first = {}
-        for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
+        for k, v in model.state_dict(keep_vars=True).items():  # tied weights: one tensor
             whole[k] = whole[first.setdefault(id(v), k)]
         return whole
 
     def gather(self, x):
-        """[n, ...] on each process -> [world * n, ...] in rank order."""
         if not self.ddp:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]
@@ -1203,17 +1181,17 @@ class Run:
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
-        if self.fsdp:  # each process writes its shards; rank 0 moves them in
+        if self.fsdp:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:  # and checkpoints/last, a link to it
+        if self.rank == 0:
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
             last = path.with_name("last")
-            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run (a link raises: ignored)
+            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run
             last.unlink(missing_ok=True)
             last.symlink_to(path.name)
         self.barrier()
@@ -1223,8 +1201,7 @@ class Run:
         if self.ddp:
             dist.barrier()
 
-    def log(self, metrics: dict, table=None):
-        """A row of metrics.jsonl and W&B (`table`: key, columns, rows), with perf/peak_gb on CUDA."""
+    def log(self, metrics: dict, table=None):  # table: (key, columns, rows)
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -1241,7 +1218,7 @@ class Run:
             tqdm.write(text) if self.progress else print(text, flush=True)
 
     def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
-        """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed; a stop cuts it short."""
+        """Rank 0's measure() -> (metrics, samples), logged and printed; a stop cuts it short."""
         metrics, samples = {}, []
         with self.whole(), contextlib.suppress(InterruptedError):  # raised by interrupt()
             self.evaluating = not self.stopping() and self.rank == 0
@@ -1256,13 +1233,13 @@ class Run:
 
     def __enter__(self):
         args = self.args
-        if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this one
+        if self.rank == 0 and args.resume:  # drop half-written checkpoints and rows logged after this one
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
             metrics = self.dir / "metrics.jsonl"
             rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= self.start]
             metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the run's own start values (summary) and last eval (progress line)
+            for row in rows:
                 self.first, self.last = {**row, **self.first}, {**self.last, **row}
                 self.evaluated = self.evaluated or row["step"] == self.start and "eval/" in str(row)
             saved = json.loads((self.dir / "args.json").read_text())
@@ -1274,23 +1251,23 @@ class Run:
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes here first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-            (self.dir / "metrics.jsonl").touch()  # (a run stopped in its first evaluation logs nothing)
+            (self.dir / "metrics.jsonl").touch()  # (a resume reads it)
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
-        for note in getattr(args, "notes", []):  # (check_common's)
+        for note in getattr(args, "notes", []):
             self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+    def interrupt(self, signum, frame):  # SIGTERM (preemption) as the first Ctrl-C
         ctrl_c, self.signal = signum == signal.SIGINT, signum
         if ctrl_c:
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C quits
         if self.rank == 0:
             print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: saving a checkpoint after step {self.step}" +
                   " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
-        if self.evaluating:  # cut short (evaluate() catches it); a step runs to its end
+        if self.evaluating:  # evaluate() catches it; a step runs to its end
             self.evaluating = False
             raise InterruptedError
 
@@ -1300,12 +1277,12 @@ class Run:
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def steps(self, measure, save):
-        """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
+        """Steps start+1 .. --total-steps, evaluating and saving; a signal saves and ends."""
         args = self.args
-        if args.track and self.rank == 0:  # a failure (no login): __exit__ removes a new run dir
+        if args.track and self.rank == 0:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
@@ -1319,7 +1296,6 @@ class Run:
                 return
             self.step, t0 = step, time.perf_counter()
             yield step
-            self.steps_done += 1
             self.seconds += time.perf_counter() - t0
             self.report()
             if step % every == 0 and step != args.total_steps:
@@ -1328,10 +1304,10 @@ class Run:
                 save()
 
     def stopping(self, save=None) -> bool:
-        """Stop all processes if one had a signal (or a pause); save then, or when --save-every-minutes is due."""
-        minutes = self.steps_done and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
+        """A signal (or pause) in one process stops all; save then, or when --save-every-minutes is due."""
+        minutes = self.step > self.start and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
         flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
-        if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
+        if self.ddp:  # whichever process the signal reached
             dist.all_reduce(flags, dist.ReduceOp.MAX)
         self.stop = int(flags[0])
         if save and (self.stop or flags[1]) and self.saved_step != self.step:
@@ -1339,8 +1315,7 @@ class Run:
         return bool(self.stop)
 
     def report(self):
-        """The key numbers on the progress bar (a terminal), else a line every --log-every steps."""
-        per_step = self.seconds / self.steps_done
+        per_step = self.seconds / (self.step - self.start)
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
         if self.progress:  # (tqdm shows s/step)
@@ -1350,16 +1325,16 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it)."""
         final.update({} if self.stop else self.evaluate(measure))
-        self.stopping()  # a signal in the last step or evaluation stops here
+        self.stopping()  # a signal in the last step or evaluation
         if self.saved_step != self.step:
             save()
         if not self.stop:
             if self.rank == 0 or self.fsdp:  # (--fsdp: all processes gather)
                 model = model if isinstance(model, torch.nn.Module) else model()
                 weights = self.full_weights(model)
-            if self.rank == 0:  # (sft.py --final-dir: there instead)
+            if self.rank == 0:
                 path = Path(getattr(self.args, "final_dir", None) or self.dir / "final")
                 save_pretrained(path, model, tokenizer, weights=weights)
                 print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
@@ -1367,25 +1342,25 @@ class Run:
                 print(f"final model: {path}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
-        if self.stop:  # the last line printed
+        if self.stop:
             self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    """main(the flags); our ValueErrors in one line."""
     boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
     flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
         stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
-        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
+        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (True: a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
         if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library: the traceback says where
+            raise  # from a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

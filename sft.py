@@ -1,16 +1,17 @@
 """Supervised fine-tuning (SFT), the first stage of RLHF (InstructGPT, arXiv:2203.02155, Sec. 3.5): maximise the
 log-likelihood of demonstration completions given their prompts (prompt and padding masked out of the loss).
 
-    L(theta) = - sum_t log pi_theta(y_t | x, y_<t) / (number of completion tokens in the step).
-It made models/tiny-arith. Details: docs/sft.md.
+    L(theta) = - sum_t log pi_theta(y_t | x, y_<t) / (the step's completion tokens).
+Details: docs/sft.md.
 
 Run:
     python sft.py  # 100 more SFT steps on models/tiny-arith, CPU
     python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my/dataset --dataset-split train --max-length 1024
     torchrun --nproc-per-node 2 sft.py  # data parallel
 
-Choice: --packing does not block attention between packed examples (TRL's simple packing).
+Choice: --packing lets packed examples attend to each other (TRL's simple packing).
 """
+import atexit
 import contextlib
 import inspect
 import json
@@ -31,15 +32,16 @@ import torch
 import torch.distributed as dist
 import tyro
 from datasets import Dataset, load_dataset
+from safetensors.torch import load_file
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import logging as hf_logging, set_seed
 
 
 @dataclass
 class Algorithm:
     max_length: int = 64
-    """most tokens of prompt + completion (longer completions are cut)"""
+    """most tokens of prompt + completion (the rest is cut)"""
     packing: bool = False
     """concatenate examples into full rows"""
 
@@ -103,7 +105,7 @@ class Logging:
     resume: Optional[str] = None
     """runs/<run>/checkpoints/step_N to continue"""
     final_dir: Optional[str] = None
-    """write the trained model here instead of the run's final/"""
+    """the trained model's folder (None: the run's final/)"""
 
 
 @dataclass
@@ -173,8 +175,8 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optional[tuple[int, float]] = None) -> float:
-    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): resumed
-    at s0 with a new `total`, the decay goes on from f0 to 0 at the new last step."""
+    """Multiplier of the peak lr: linear warmup, then cosine/linear decay to 0, or constant. anchor (s0, f0): a
+    resume at s0 with a new `total` decays from f0."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -185,7 +187,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, anchor: Optiona
 
 
 def load_examples(args: Args, tokenizer) -> tuple[list, list, list]:
-    """-> the training rows (build_example, packed or not), at least a batch of them; the eval prompts and answers."""
+    """-> the training rows (at least a batch), the eval prompts and answers."""
     flags = "--prompt-column/--completion-column/--answer-column"
     split = load_split(args, "dataset_split", [args.prompt_column, args.completion_column], flags)
     prompts, completions = (tokenizer(list(split[column]), add_special_tokens=False)["input_ids"]
@@ -205,16 +207,16 @@ def load_examples(args: Args, tokenizer) -> tuple[list, list, list]:
 
 
 def batch_indices(step: int, n: int, size: int, seed: int) -> list[int]:
-    """Step `step`'s global batch, alike in all processes and resumes: epochs of permutations seeded by
-    seed + 1000003 epoch (nearby seeds share none), the tail skipped."""
+    """Step `step`'s global batch, alike in all processes and resumes: seeded epochs of permutations, the tail
+    skipped."""
     epoch, k = divmod(step - 1, n // size)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1_000_003 * epoch))
     return order[k * size : (k + 1) * size].tolist()
 
 
 def sft_update(model, optimizer, batch: list, micro: int, args: Args, run, pad_id: int):
-    """One optimiser step on this process's share of `batch`, `micro` rows at a time, of the token mean loss over
-    the global batch -> (this process's NLL sum, global completion tokens, grad norm)."""
+    """One optimiser step on this process's share of `batch`, `micro` rows at a time -> (this process's NLL sum,
+    global completion tokens, grad norm)."""
     n_tokens = sum(t != -100 for _, labels in batch for t in labels[1:])
     accum = args.gradient_accumulation_steps
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=run.device.type == "cuda" and args.dtype == "auto")
@@ -246,7 +248,7 @@ def main(args: Args) -> dict:
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     examples, eval_prompts, eval_answers = load_examples(args, tokenizer)
 
-    # 2. Model, fresh or pretrained, if the data fit its context; under torchrun DDP or FSDP2.
+    # 2. Model, fresh or pretrained, if the data fit its context; DDP or FSDP2.
     config = AutoConfig.from_pretrained(args.model_config or args.model_name_or_path)
     if args.model_config and config.vocab_size < len(tokenizer):
         raise ValueError(f"--model-config: vocab_size {config.vocab_size} < the tokenizer's {len(tokenizer)}")
@@ -265,7 +267,7 @@ def main(args: Args) -> dict:
     elif run.ddp:
         trained = torch.nn.parallel.DistributedDataParallel(model)
 
-    # 3. Optimiser and schedule; --resume loads the weights, then their states.
+    # 3. Optimiser and schedule; --resume restores them and the weights.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay)
     run.trained = (trained, optimizer)  # what --fsdp checkpoints in shards
@@ -273,7 +275,7 @@ def main(args: Args) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup_steps, args.total_steps, args.lr_schedule, lr_anchor))
     lr_anchor = run.restore(model, optimizer, scheduler).get("lr_anchor")
-    if "total_steps" in overrides:  # the decay goes on from here to the new last step
+    if "total_steps" in overrides:  # decay from here to the new last step
         lr_anchor = (run.start, lr_factor(run.start, args.warmup_steps, overrides["total_steps"][0], args.lr_schedule,
                                           lr_anchor))
 
@@ -312,7 +314,7 @@ def main(args: Args) -> dict:
 
 
 def check_args(args: Args) -> int:
-    """Checks that need no loading, before any work -> the micro-batch each process uses."""
+    """Checks needing no loading -> the micro-batch each process uses."""
     check_common(args, ("total_steps", "batch_size", "gradient_accumulation_steps", "max_length", "log_every",
                         "max_new_tokens", "learning_rate", "eval_limit"), ("eval_every", "save_every", "warmup_steps"),
                  () if args.model_config else (args.model_name_or_path,))  # a fresh model loads no weights
@@ -328,7 +330,7 @@ def check_args(args: Args) -> int:
     return args.batch_size // passes
 
 
-# ---- plumbing, need not be modified (a name is one text in all scripts): checks, run, resume, W&B, Ctrl-C, torchrun.
+# ---- plumbing: one text per name in all scripts
 
 
 def answer_matches(text: str, answer) -> bool:
@@ -357,11 +359,11 @@ def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids,
     return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
 
 
-CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, which final/ keeps
+CHECKPOINT_GENERATION_CONFIG = {}  # "policy": the checkpoint's own, kept in final/
 
 
 def own_generation_config(model, tokenizer) -> list[int]:
-    """Keep only its generation_config's special tokens, so that generate samples softmax(logits / T) -> EOS ids."""
+    """Only its generation_config's special tokens, so generate samples softmax(logits / T) -> EOS ids."""
     old = model.generation_config
     kept = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config", "use_cache",
             "output_attentions", "output_hidden_states")
@@ -376,7 +378,7 @@ def own_generation_config(model, tokenizer) -> list[int]:
 
 
 def load_split(args, flag: str, columns: list[str], column_flags: str):
-    """--<flag>'s split with `columns`: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
+    """--<flag>'s split: a folder's <split>.jsonl, a hub split; one file: seeded 10% eval, 90% train."""
     split, path = getattr(args, flag), Path(args.dataset).expanduser()
     file = path / f"{split}.jsonl" if path.is_dir() else path
     skip = f", or skip this split with --{flag.replace('_', '-')} None" if "eval" in flag else ""
@@ -400,15 +402,15 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{file} is empty: it needs at least one JSON line")
         try:
             ds = Dataset.from_dict({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
-        except (TypeError, ValueError) as e:  # pyarrow: a column's rows of different types (2 and "1/2")
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{file}: a column's values differ in type ({e}): give each column one type") from None
     else:
         check_local_or_hub("dataset", args.dataset)
         try:
             ds = load_dataset(args.dataset, split=split)
-        except Exception as e:  # e.g. offline: its own error, in one line
-            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online: the datasets cache then "
-                             "has it; or pass a folder of <split>.jsonl files)") from None
+        except Exception as e:
+            raise ValueError(f"dataset '{args.dataset}': {e} (offline? load it once online, or pass a folder of "
+                             "<split>.jsonl files)") from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         where = file if path.is_file() else f"split '{split}'"
@@ -419,14 +421,13 @@ def load_split(args, flag: str, columns: list[str], column_flags: str):
             raise ValueError(f"{path} has 1 row: none to hold out for eval; pass --eval-split None")
         parts = ds.train_test_split(test_size=0.1, seed=0)
         if flag == "dataset_split" and int(os.environ.get("RANK", 0)) == 0:
-            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out "
-                  f"for evaluation")
+            print(f"{path} is one file: {len(parts['test'])} of its {len(ds)} rows (a fixed seeded 10%) are held out")
         ds = parts["test" if "eval" in flag else "train"]
     return ds
 
 
 def check_local_or_hub(kind: str, name: str) -> bool:
-    """True for a local path; a hub id must be on the Hub (offline: a model in the cache)."""
+    """True for a local path; a hub id must be on the Hub (offline: in the cache)."""
     if Path(name).expanduser().exists():
         return True
     hint = f"a local folder or a hub id, e.g. {'models/tiny-arith' if kind == 'model' else 'data/arith'}"
@@ -439,10 +440,10 @@ def check_local_or_hub(kind: str, name: str) -> bool:
            "pass a folder of <split>.jsonl files")
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
     try:
-        if offline and kind == "model":  # from_pretrained reads the cache (datasets keeps its own)
+        if offline and kind == "model":
             snapshot_download(name, local_files_only=True)
         found = offline or repo_exists(name, repo_type=kind)
-    except Exception as e:  # not cached, no network, a proxy: say so now, not after retries
+    except Exception as e:  # not cached, no network, a proxy
         raise ValueError(f"{kind} '{name}': " + ("not in the Hugging Face cache (HF_HUB_OFFLINE=1): " if offline else
                          f"the Hugging Face Hub cannot be reached ({type(e).__name__}): set HF_HUB_OFFLINE=1 if the "
                          "cache holds it, or ") + get) from None
@@ -453,7 +454,7 @@ def check_local_or_hub(kind: str, name: str) -> bool:
 
 def check_common(args, positive: tuple, non_negative: tuple, model_paths):
     """Counts, device, model folders, --fsdp: before any work."""
-    args.notes = []  # notices printed once every check has passed (Run.__enter__)
+    args.notes = []  # Run.__enter__ prints them
     for name in positive + non_negative + ("save_every_minutes",):
         value, strict = getattr(args, name), name in positive
         if value < 0 or strict and value <= 0:
@@ -466,39 +467,38 @@ def check_common(args, positive: tuple, non_negative: tuple, model_paths):
         try:
             if check_local_or_hub("model", name) and not (Path(name).expanduser() / "config.json").exists():
                 raise ValueError(f"'{name}' is not a model folder: it has no config.json")
-        except ValueError as e:  # named by the first flag that holds it
-            raise ValueError(f"--{next(k for k, v in vars(args).items() if v == name).replace('_', '-')}: {e}") from None
+        except ValueError as e:
+            flag = next(k for k, v in vars(args).items() if v == name)
+            raise ValueError(f"--{flag.replace('_', '-')}: {e}") from None
     if args.run_dir and not args.resume and Path(args.run_dir).exists():
-        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one (or --resume one of its checkpoints)")
-    if args.warmup_steps >= args.total_steps and not args.resume:  # else the learning rate never leaves warmup
+        raise ValueError(f"--run-dir {args.run_dir} exists: pass a new one, or --resume one of its checkpoints")
+    if args.warmup_steps >= args.total_steps and not args.resume:  # else the lr never leaves warmup
         if args.warmup_steps != type(args)().warmup_steps:
             args.notes.append(f"--warmup-steps {args.warmup_steps} >= --total-steps: warmup {args.total_steps // 10}")
         args.warmup_steps = args.total_steps // 10
     if not args.fsdp:
         return
-    from transformers import AutoConfig, AutoModel
-
     if "LOCAL_RANK" not in os.environ:
         raise ValueError("--fsdp needs several processes: launch with torchrun --nproc-per-node N, or drop it")
     if getattr(args, "lora_r", 0):
-        raise ValueError("--fsdp with --lora-r is not supported: drop --fsdp (LoRA's weights fit DDP), or --lora-r")
+        raise ValueError("--fsdp with --lora-r is not supported: drop one (LoRA fits DDP)")
     if args.resume and not (Path(args.resume) / "sharded").is_dir():
         raise ValueError(f"--resume {args.resume}: an --fsdp run's checkpoint has a sharded/ folder; this has none")
     config = AutoConfig.from_pretrained(getattr(args, "model_config", None) or args.model_name_or_path)
-    with torch.device("meta"):  # weightless, to find the decoder layers
+    with torch.device("meta"):  # weightless
         decoder_layers(AutoModel.from_config(config))
 
 
 def decoder_layers(model) -> list:
-    """The blocks FSDP2 shards one by one: the longest ModuleList of one class (model.layers, h, ...)."""
+    """FSDP2's units: the longest ModuleList of one class (model.layers, h, ...)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len({type(c) for c in m}) == 1]
     if not lists:
-        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: use DDP (drop --fsdp)")
+        raise ValueError(f"--fsdp: no list of decoder layers found in {type(model).__name__}: drop --fsdp (DDP)")
     return list(max(lists, key=len))
 
 
 def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
-    """Before the model loads: the longest prompt plus new tokens fit the model's positions."""
+    """The longest prompt plus new tokens fit the model's positions."""
     context, longest = getattr(config, "max_position_embeddings", None), max(map(len, prompt_ids), default=0)
     if context and longest + new_tokens > context:
         raise ValueError(f"a {longest}-token prompt and {flag} {new_tokens} exceed the model's {context} positions: "
@@ -506,8 +506,8 @@ def check_context(config, prompt_ids: list, new_tokens: int, flag: str):
 
 
 def resume_args(args, may_change: tuple[str, ...]):
-    """--resume: the run's own args; a flag given here applies if in `may_change`, else is refused -> (args, changes)"""
-    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: paths beside this file
+    """--resume: the run's args, plus the flags given here that `may_change` -> (args, changes)"""
+    for name in ("model_name_or_path", "dataset") * (not args.resume):  # run from elsewhere: beside this file
         beside = Path(__file__).parent / getattr(args, name)
         if not Path(getattr(args, name)).expanduser().exists() and beside.exists():
             setattr(args, name, str(beside))
@@ -529,7 +529,7 @@ def resume_args(args, may_change: tuple[str, ...]):
         if name not in may_change:
             may = ", ".join("--" + n.replace("_", "-") for n in may_change)
             raise ValueError(f"--{name.replace('_', '-')} {given} differs from the run's {saved.get(name)!r} and "
-                             f"cannot change on resume (drop it, or start a new run); these may: {may}")
+                             f"cannot change on resume (drop it); these may: {may}")
         setattr(out, name, given)
         changed[name] = [saved.get(name), given]
     out.resume = args.resume
@@ -541,7 +541,7 @@ def resume_args(args, may_change: tuple[str, ...]):
 
 
 def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, sharded=None):
-    """A temporary folder, renamed: a killed run leaves no half checkpoint (--fsdp: gathered `weights`, `sharded`)."""
+    """A temporary folder, renamed: a killed run leaves no half checkpoint."""
     tmp, old = path.with_name(f".tmp-{path.name}"), path.with_name(f".old-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=weights)
@@ -560,39 +560,35 @@ def save_pretrained(path: Path, model, tokenizer, state=None, weights=None, shar
 
 
 class Run:
-    """A run as one process sees it: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
+    """One process's run: device, seeds, torchrun; inside `with run:` the run dir, W&B, signals."""
 
     def __init__(self, args, overrides: dict, shown: tuple[str, ...]):
         hf_logging.disable_progress_bar()
         self.args, self.overrides, self.shown = args, overrides, shown
         self.ddp = "LOCAL_RANK" in os.environ
-        if self.ddp:  # the group ends at exit, after main's DDP modules (a reducer outliving it can hang gloo)
-            import atexit
-
+        if self.ddp:  # ended at exit, after main's DDP modules (else gloo can hang)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             atexit.register(dist.destroy_process_group)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.ddp else (0, 1)
-        cuda = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        cuda = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = args.fsdp, [], None  # trained: (root, optimizer)
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
-        if not args.resume:  # rank 0's clock names the run (clocks may straddle a second)
+        set_seed(args.seed)
+        if not args.resume:  # rank 0's clock names the run
             stamp = torch.tensor([int(time.time())], device=self.device)
             if self.ddp:
                 dist.broadcast(stamp, 0)
             args.run_name = f"{Path(args.dataset).name}__{args.exp_name}__{args.seed}__{stamp.item()}"
             args.run_dir = args.run_dir or f"{args.output_dir}/{args.run_name}"
         self.dir = Path(args.resume).parents[1] if args.resume else Path(args.run_dir)
-        self.start = self.step = self.steps_done = 0
+        self.start = self.step = 0
         self.seconds, self.first, self.last, self.wandb, self.stop = 0.0, {}, {}, None, False  # stop: a pause, a signal
         self.signal, self.saved_at, self.saved_step, self.evaluating, self.evaluated = 0, time.time(), -1, False, False
         self.progress = self.rank == 0 and sys.stderr.isatty()
 
     def restore(self, model, optimizer, scheduler):
-        """--resume: weights (shards, LoRA or whole), optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
-        self.trained[0].train()  # from_pretrained leaves eval mode (no gradient checkpointing)
+        """--resume: weights, optimizer, scheduler, RNGs -> trainer_state.pt's dict."""
+        self.trained[0].train()  # from_pretrained leaves eval mode
         if not self.args.resume:
             return {}
         path = Path(self.args.resume)
@@ -605,7 +601,6 @@ class Run:
             set_state_dict(*self.trained, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
         elif getattr(self.args, "lora_r", 0):
             from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
 
             set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(self.device)))
         else:
@@ -622,24 +617,22 @@ class Run:
         return state
 
     def shard(self, module, layers: list):
-        """--fsdp: FSDP2 on each decoder layer, then on `module` (the root: embeddings, head); with --dtype auto on
-        CUDA it computes in bfloat16 and reduces in float32."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy()
         if self.device.type == "cuda" and self.args.dtype == "auto":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
         for unit in [*layers, module]:  # the root last
             fully_shard(unit, mesh=mesh, mp_policy=mp)
         self.sharded.append(module)
-        module._get_fsdp_state()._lazy_init()  # `module` is the root even if a layer runs first (e.g. generate)
+        module._get_fsdp_state()._lazy_init()  # the root even if a layer runs first (generate)
         return module
 
     @contextlib.contextmanager
     def whole(self):
-        """--fsdp: whole weights inside: no collective per decode step (processes may take different step counts)."""
+        """--fsdp: whole weights inside: decoding needs no collective per step."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [u for root in self.sharded[:1] for u in root.modules() if isinstance(u, FSDPModule)]
@@ -654,7 +647,7 @@ class Run:
                 unit.set_reshard_after_forward(True, recurse=False)
 
     def full_weights(self, model):
-        """--fsdp: the whole state dict on rank 0's CPU (every process takes part); else None."""
+        """--fsdp: the whole state dict on rank 0's CPU; else None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if not self.fsdp:
@@ -663,12 +656,11 @@ class Run:
         if self.rank != 0:
             return None
         first = {}
-        for k, v in model.state_dict(keep_vars=True).items():  # tied weights one tensor again, as save_pretrained wants
+        for k, v in model.state_dict(keep_vars=True).items():  # tied weights: one tensor
             whole[k] = whole[first.setdefault(id(v), k)]
         return whole
 
     def gather(self, x):
-        """[n, ...] on each process -> [world * n, ...] in rank order."""
         if not self.ddp:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]
@@ -682,17 +674,17 @@ class Run:
         per_rank = {k: self.gather(torch.as_tensor(v)[None].to(self.device)).cpu()
                     for k, v in {**per_rank, "torch_rng": torch.get_rng_state()}.items()}
         sharded = path.with_name(f".tmp-sharded-{path.name}") if self.fsdp else None
-        if self.fsdp:  # each process writes its shards; rank 0 moves them in
+        if self.fsdp:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             dcp.save(dict(zip(("model", "optimizer"), get_state_dict(*self.trained))), checkpoint_id=str(sharded))
             self.barrier()
-        if self.rank == 0:  # and checkpoints/last, a link to it
+        if self.rank == 0:
             save_pretrained(path, model, tokenizer, {**state, "step": self.step, "per_rank": per_rank, "args": asdict(
                 self.args), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, weights, sharded)
             last = path.with_name("last")
-            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run (a link raises: ignored)
+            shutil.rmtree(last, ignore_errors=True)  # a folder in a copied run
             last.unlink(missing_ok=True)
             last.symlink_to(path.name)
         self.barrier()
@@ -702,8 +694,7 @@ class Run:
         if self.ddp:
             dist.barrier()
 
-    def log(self, metrics: dict, table=None):
-        """A row of metrics.jsonl and W&B (`table`: key, columns, rows), with perf/peak_gb on CUDA."""
+    def log(self, metrics: dict, table=None):  # table: (key, columns, rows)
         if self.device.type == "cuda" and "perf/step_s" in metrics:
             metrics = {**metrics, "perf/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.rank != 0:
@@ -720,7 +711,7 @@ class Run:
             tqdm.write(text) if self.progress else print(text, flush=True)
 
     def evaluate(self, measure: Callable[[], tuple[dict, list]]) -> dict:
-        """Rank 0's measure() -> (metrics, [(prompt, completion, answer)]), logged and printed; a stop cuts it short."""
+        """Rank 0's measure() -> (metrics, samples), logged and printed; a stop cuts it short."""
         metrics, samples = {}, []
         with self.whole(), contextlib.suppress(InterruptedError):  # raised by interrupt()
             self.evaluating = not self.stopping() and self.rank == 0
@@ -735,13 +726,13 @@ class Run:
 
     def __enter__(self):
         args = self.args
-        if self.rank == 0 and args.resume:  # drop half-written checkpoints, and rows logged after this one
+        if self.rank == 0 and args.resume:  # drop half-written checkpoints and rows logged after this one
             for tmp in [*self.dir.glob("**/.tmp-*"), *self.dir.glob("**/.old-*")]:
                 shutil.rmtree(tmp, ignore_errors=True)
             metrics = self.dir / "metrics.jsonl"
             rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] <= self.start]
             metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            for row in rows:  # the run's own start values (summary) and last eval (progress line)
+            for row in rows:
                 self.first, self.last = {**row, **self.first}, {**self.last, **row}
                 self.evaluated = self.evaluated or row["step"] == self.start and "eval/" in str(row)
             saved = json.loads((self.dir / "args.json").read_text())
@@ -753,23 +744,23 @@ class Run:
         elif self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes here first
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-            (self.dir / "metrics.jsonl").touch()  # (a run stopped in its first evaluation logs nothing)
+            (self.dir / "metrics.jsonl").touch()  # (a resume reads it)
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
         if self.ddp:
             self.say(f"{self.world} processes, {'FSDP2' if self.fsdp else 'DDP'}")
-        for note in getattr(args, "notes", []):  # (check_common's)
+        for note in getattr(args, "notes", []):
             self.say(note)
         self.previous = signal.signal(signal.SIGINT, self.interrupt), signal.signal(signal.SIGTERM, self.interrupt)
         return self
 
-    def interrupt(self, signum, frame):  # SIGTERM (a scheduler's preemption) as the first Ctrl-C
+    def interrupt(self, signum, frame):  # SIGTERM (preemption) as the first Ctrl-C
         ctrl_c, self.signal = signum == signal.SIGINT, signum
         if ctrl_c:
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C quits at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C quits
         if self.rank == 0:
             print(f"\n{'Ctrl-C' if ctrl_c else 'SIGTERM'}: saving a checkpoint after step {self.step}" +
                   " (Ctrl-C again to quit without saving)" * ctrl_c, file=sys.stderr, flush=True)
-        if self.evaluating:  # cut short (evaluate() catches it); a step runs to its end
+        if self.evaluating:  # evaluate() catches it; a step runs to its end
             self.evaluating = False
             raise InterruptedError
 
@@ -779,12 +770,12 @@ class Run:
         signal.signal(signal.SIGTERM, self.previous[1])
         self.bar.close()
         if kind and self.rank == 0 and not self.args.resume and self.saved_step < 0:
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failure before any checkpoint leaves no run directory
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def steps(self, measure, save):
-        """Steps start+1 .. --total-steps with evaluations and checkpoints; Ctrl-C or SIGTERM: save and end."""
+        """Steps start+1 .. --total-steps, evaluating and saving; a signal saves and ends."""
         args = self.args
-        if args.track and self.rank == 0:  # a failure (no login): __exit__ removes a new run dir
+        if args.track and self.rank == 0:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
@@ -798,7 +789,6 @@ class Run:
                 return
             self.step, t0 = step, time.perf_counter()
             yield step
-            self.steps_done += 1
             self.seconds += time.perf_counter() - t0
             self.report()
             if step % every == 0 and step != args.total_steps:
@@ -807,10 +797,10 @@ class Run:
                 save()
 
     def stopping(self, save=None) -> bool:
-        """Stop all processes if one had a signal (or a pause); save then, or when --save-every-minutes is due."""
-        minutes = self.steps_done and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
+        """A signal (or pause) in one process stops all; save then, or when --save-every-minutes is due."""
+        minutes = self.step > self.start and time.time() - self.saved_at > 60 * self.args.save_every_minutes > 0
         flags = torch.tensor([max(int(self.stop), self.signal), int(minutes)], device=self.device)
-        if self.ddp:  # all processes stop (or save) at one step, whichever the signal reached
+        if self.ddp:  # whichever process the signal reached
             dist.all_reduce(flags, dist.ReduceOp.MAX)
         self.stop = int(flags[0])
         if save and (self.stop or flags[1]) and self.saved_step != self.step:
@@ -818,8 +808,7 @@ class Run:
         return bool(self.stop)
 
     def report(self):
-        """The key numbers on the progress bar (a terminal), else a line every --log-every steps."""
-        per_step = self.seconds / self.steps_done
+        per_step = self.seconds / (self.step - self.start)
         text = " | ".join(f"{k.split('/')[-1]} {self.last[k]:.3g}" for k in self.shown if k in self.last)
         self.bar.update(1)
         if self.progress:  # (tqdm shows s/step)
@@ -829,16 +818,16 @@ class Run:
                   f"{tqdm.format_interval((self.args.total_steps - self.step) * per_step)}", flush=True)
 
     def finish(self, final: dict, measure, save, model, tokenizer, notes: tuple[str, ...] = ()) -> dict:
-        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it), the summary."""
+        """Unless stopped: the last evaluation, a checkpoint, final/ (`model`, or a function making it)."""
         final.update({} if self.stop else self.evaluate(measure))
-        self.stopping()  # a signal in the last step or evaluation stops here
+        self.stopping()  # a signal in the last step or evaluation
         if self.saved_step != self.step:
             save()
         if not self.stop:
             if self.rank == 0 or self.fsdp:  # (--fsdp: all processes gather)
                 model = model if isinstance(model, torch.nn.Module) else model()
                 weights = self.full_weights(model)
-            if self.rank == 0:  # (sft.py --final-dir: there instead)
+            if self.rank == 0:
                 path = Path(getattr(self.args, "final_dir", None) or self.dir / "final")
                 save_pretrained(path, model, tokenizer, weights=weights)
                 print(f"done: step {self.step} in {tqdm.format_interval(self.seconds)}" + "".join(
@@ -846,25 +835,25 @@ class Run:
                 print(f"final model: {path}", *notes, sep="\n", flush=True)
         if self.wandb:
             self.wandb.finish()
-        if self.stop:  # the last line printed
+        if self.stop:
             self.say(f"interrupted: saved {self.saved}; continue with --resume {self.saved}")
         return {**final, "step": self.step, "run_dir": str(self.dir), "interrupted": self.stop}
 
 
 def command_line(Args, main) -> None:
-    """main(the flags); our ValueErrors as one line. Exit code: 0 at --total-steps, 128 + a saved stop's signal."""
+    """main(the flags); our ValueErrors in one line."""
     boxes = [(re.sub(r"\B(?=[A-Z])", "_", g.__name__).lower(), tyro.conf.OmitArgPrefixes[g]) for g in Args.__bases__]
     flags = asdict(tyro.cli(make_dataclass("Flags", boxes[::-1]), description=__doc__.split("\n\n")[0])).values()
     try:
         stop = main(Args(**{k: v for box in flags for k, v in box.items()}))["interrupted"]
-        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (not True, a planned pause)
+        if stop > 1:  # Ctrl-C 130, SIGTERM 143 (True: a planned pause)
             sys.exit(128 + stop)
     except KeyboardInterrupt:
         print("\ninterrupted again: quit without saving", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
         if Path(inspect.trace()[-1].filename).resolve().parent != Path(__file__).resolve().parent:
-            raise  # raised inside a library: the traceback says where
+            raise  # from a library: the traceback says where
         sys.exit(f"error: {e}")
 
 

@@ -246,7 +246,7 @@ def test_few_step_run_writes_the_run_directory(tiny, tmp_path, capsys, loss_type
     evals = [r for r in read_metrics(run) if "eval/pref_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 3] and "eval/accuracy" in evals[0]
     assert out["eval/pref_accuracy"] == evals[-1]["eval/pref_accuracy"]
-    assert {p.name for p in (run / "checkpoints").iterdir()} == {"step_2", "step_3"}
+    assert {p.name for p in (run / "checkpoints").iterdir()} == {"last", "step_2", "step_3"}
     final = load_file(run / "final" / "model.safetensors")
     assert not any("lora" in k for k in final)  # LoRA merged: loadable without peft
     AutoModelForCausalLM.from_pretrained(run / "final")

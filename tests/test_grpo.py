@@ -513,7 +513,7 @@ def test_few_step_run_writes_the_run_directory(tiny, tmp_path, capsys):
     # overlong filtering: a batch of only truncated completions has no loss tokens, hence no gradient
     assert all((r["train/grad_norm"] == 0) == (r["train/truncated_frac"] == 1) for r in rows)
     assert {r["step"] for r in read_metrics(run) if "eval/accuracy" in r} == {0, 3}
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last", "step_2", "step_3"]
     state = torch.load(run / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 3 and "reward" in state
     AutoModelForCausalLM.from_pretrained(run / "final")

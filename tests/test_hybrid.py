@@ -393,7 +393,7 @@ def test_few_step_run_writes_the_run_directory(tiny, tmp_path):
         assert all(k in r for k in keys), r
         assert ("train/reward" in r) != bool(r["train/is_sft_step"])
     assert {r["step"] for r in read_metrics(run) if "eval/accuracy" in r} == {0, 5}
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4", "step_5"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last", "step_2", "step_4", "step_5"]
     assert (run / "checkpoints" / "step_2" / "value_head.safetensors").exists()
     state = torch.load(run / "checkpoints" / "step_5" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 5 and state["reward"]  # ema_normalize's running moments

@@ -160,6 +160,30 @@ def test_a_copied_script_names_the_files_it_needs_in_one_line(tmp_path):
     assert subprocess.run([sys.executable, "sft.py", "--help"], cwd=tmp_path, capture_output=True).returncode == 0
 
 
+def test_comparisons_that_rank_nothing_say_why_and_leave_no_run_directory(tiny, tmp_path):
+    """reward_model.py --comparisons from the random model, which is never right: every sample of a prompt gets the
+    same grade, so there is nothing to rank; the error says so in one line and the run directory is gone, so the same
+    command fails the same way again (not with `--run-dir ... exists`)."""
+    m = module("reward_model")
+    args = tiny_args("reward_model", tiny, tmp_path, comparisons=2, comparison_prompts=4, eval_limit=2,
+                     dataset_split="train", run_dir=str(tmp_path / "rm"))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"--comparisons 2: every sample of each of 4 prompts of split 'train' "
+                                             r"got the same grade from --labeler, so none can be ranked"):
+            m.main(replace(args))
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_model_and_data_are_found_beside_the_script_from_another_folder(tmp_path, monkeypatch):
+    """`python path/to/grpo.py` from another folder: models/tiny-arith and data/arith are the ones beside grpo.py."""
+    monkeypatch.chdir(tmp_path)
+    m = module("grpo")
+    out = m.main(m.Args(total_steps=1, prompts_per_step=2, num_generations=2, eval_split=None, output_dir="out"))
+    saved = json.loads((Path(out["run_dir"]) / "args.json").read_text())
+    assert saved["model_name_or_path"] == str(ROOT / "models/tiny-arith") and saved["dataset"] == str(ROOT / "data/arith")
+    assert Path(out["run_dir"]).resolve().parent == tmp_path / "out"
+
+
 def sigterm_in_the_first_evaluation(m, monkeypatch):
     """Patch script m so that SIGTERM reaches the process while rank 0 evaluates at step 0."""
     import signal
@@ -196,8 +220,9 @@ def test_sigterm_in_the_first_evaluation_cuts_it_short_and_the_resumed_run_equal
         assert x.keys() == y.keys() and all(y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6) for k in x), (x, y)
 
 
-def test_sigterm_in_the_first_evaluation_under_torchrun_saves_step_0_and_resumes_as_a_straight_run(tiny, tmp_path):
-    """The same under torchrun (2 gloo processes): rank 0 is signalled while it evaluates, both stop at step 0."""
+def test_sigterm_in_the_first_evaluation_under_torchrun_saves_step_0_and_resumes(tiny, tmp_path):
+    """The same under torchrun (2 gloo processes): rank 0 is signalled while it evaluates, both stop at step 0 with
+    one checkpoint; the resume evaluates at step 0 and trains both steps."""
     import subprocess
 
     wrapper = tmp_path / "grpo_sigterm.py"  # grpo.py's command line, with the signal sent inside rank 0's evaluation
@@ -205,21 +230,16 @@ def test_sigterm_in_the_first_evaluation_under_torchrun_saves_step_0_and_resumes
                        "from test_lifecycle import sigterm_in_the_first_evaluation\n"
                        "sigterm_in_the_first_evaluation(grpo, pytest.MonkeyPatch())\ngrpo.command_line(grpo.Args, grpo.main)\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(wrapper),
-           *cli("grpo", tiny, tmp_path / "a")[2:]]
+           *cli("grpo", tiny, tmp_path)[2:]]
     cut = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert cut.returncode != 0 and "SIGTERM: saving a checkpoint after step 0" in cut.stderr, cut.stderr[-3000:]
-    (run,) = (tmp_path / "a").iterdir()
+    (run,) = tmp_path.glob("data__*")
     (ckpt,) = (run / "checkpoints").glob("step_*")
-    assert ckpt.name == "step_0" and len(torch.load(ckpt / "trainer_state.pt", weights_only=False)["per_rank"][
-        "torch_rng"]) == 2
+    assert ckpt.name == "step_0" and read_metrics(run) == []
+    assert len(torch.load(ckpt / "trainer_state.pt", weights_only=False)["per_rank"]["torch_rng"]) == 2
     run_torchrun("grpo.py", "--resume", str(ckpt))
-    run_torchrun("grpo.py", *cli("grpo", tiny, tmp_path / "b")[2:])
-    (straight,) = (tmp_path / "b").iterdir()
-    rows = lambda d: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(d)]  # noqa: E731
-    a, b = rows(straight), rows(run)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 2]
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys() and all(y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6) for k in x), (x, y)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 2] and "eval/accuracy" in rows[0] and "train/loss" in rows[1]
 
 
 def test_sigterm_reaching_one_torchrun_process_stops_both_at_the_same_step(tiny, tmp_path):
