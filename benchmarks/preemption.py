@@ -32,14 +32,16 @@ class Args:
     """which scripts to stop (each at its defaults)"""
     repeats: int = 1
     """runs per script and moment (the table shows the median)"""
-    eval_delay: float = 1.0
+    eval_delay: float = 0.3
     """seconds after the `run directory:` line before the signal: inside the step-0 evaluation"""
+    root: str = str(ROOT)
+    """the checkout whose scripts run (e.g. a `git worktree` of another commit, to compare)"""
 
 
-def stopped(script: str, moment: str, eval_delay: float) -> dict:
+def stopped(script: str, moment: str, eval_delay: float, root: str) -> dict:
     """One run of `script`, SIGTERM at `moment` ("eval" or "step") -> seconds to exit, s/step, checkpoint, code."""
     with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.Popen([sys.executable, f"{script}.py", "--output-dir", out], cwd=ROOT, text=True,
+        proc = subprocess.Popen([sys.executable, f"{script}.py", "--output-dir", out], cwd=root, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         per_step = None
@@ -56,7 +58,7 @@ def stopped(script: str, moment: str, eval_delay: float) -> dict:
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=600)
         seconds = time.perf_counter() - t0
-        saved = re.search(r"interrupted: saved (\S+)", rest)
+        saved = re.search(r"interrupted: saved (\S+?);", rest)
         return {"seconds": seconds, "per_step": per_step, "code": proc.returncode,
                 "checkpoint": Path(saved.group(1)).name if saved else "none", "tail": rest[-300:]}
 
@@ -64,7 +66,7 @@ def stopped(script: str, moment: str, eval_delay: float) -> dict:
 def main(args: Args) -> None:
     rows = []
     for script in args.scripts:
-        runs = {m: [stopped(script, m, args.eval_delay) for _ in range(args.repeats)] for m in ("eval", "step")}
+        runs = {m: [stopped(script, m, args.eval_delay, args.root) for _ in range(args.repeats)] for m in ("eval", "step")}
         for moment, done in runs.items():
             bad = [r for r in done if r["code"] != 128 + signal.SIGTERM]
             if bad:
