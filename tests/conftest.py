@@ -35,6 +35,14 @@ except ImportError:
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """Each test starts with the process's thread count (capacity_ppo.py's main sets its --torch-threads, 1)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def read_metrics(run_dir) -> list[dict]:
     """The rows of a run directory's metrics.jsonl."""
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -252,8 +252,8 @@ def test_few_step_run_writes_the_run_directory(tiny, tmp_path, capsys, loss_type
     AutoModelForCausalLM.from_pretrained(run / "final")
 
 
-@pytest.mark.parametrize("pack_pairs,weight_atol", [(False, 1e-6), (True, 1e-5)])
-def test_precomputed_reference_logps_equal_on_the_fly(tiny, tmp_path, pack_pairs, weight_atol):
+@pytest.mark.parametrize("pack_pairs", [False, True])
+def test_precomputed_reference_logps_equal_on_the_fly(tiny, tmp_path, pack_pairs):
     kw = {"total_steps": 3, "eval_split": None, "pack_pairs": pack_pairs}
     live = dpo.main(tiny_args(tiny, tmp_path / "a", **kw))
     cached = dpo.main(tiny_args(tiny, tmp_path / "b", precompute_ref_logps=True, **kw))
@@ -263,9 +263,10 @@ def test_precomputed_reference_logps_equal_on_the_fly(tiny, tmp_path, pack_pairs
     assert train_rows(live["run_dir"])[-1]["rewards/margins"] != 0
     a = load_file(Path(live["run_dir"]) / "final" / "model.safetensors")
     b = load_file(Path(cached["run_dir"]) / "final" / "model.safetensors")
-    # packed, the reference's log-probs come from rows padded to another width (the precomputing pass batches the
-    # pairs in data order): float rounding, which Adam's division by sqrt(v) lifts to 1.7e-6 in the weights
-    assert all(torch.allclose(a[k], b[k], atol=weight_atol) for k in a)
+    # the precomputing pass batches the pairs in data order, so the reference's log-probs come from rows padded to
+    # other widths: float rounding, which Adam's division by sqrt(v) lifts to ~1e-6 in the weights, packed or not
+    # depending on the CPU (1.7e-6 packed on one machine, 1.3e-6 unpacked on another): 1e-5 is 0.3% of a step at lr 3e-3
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
 def test_micro_batches_give_the_gradient_of_one_batch(tiny, tmp_path):
