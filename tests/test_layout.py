@@ -14,13 +14,13 @@ SCRIPTS = ["grpo", "ppo", "dpo", "hybrid", "reward_model", "sft", "capacity_ppo"
 # (file bytes, bytes above the `# ---- plumbing` line, lines of main()). A ratchet: lower a number when a change
 # makes the script smaller; never raise one. A feature that needs bytes takes them from elsewhere in the same file.
 BUDGETS = {
-    "grpo": (75_450, 38_670, 110),
-    "ppo": (83_109, 46_329, 120),
-    "dpo": (67_578, 36_733, 100),
-    "hybrid": (95_112, 58_332, 130),
-    "reward_model": (77_934, 47_281, 110),
-    "sft": (45_617, 16_269, 80),
-    "capacity_ppo": (36_082, 23_994, 60),
+    "grpo": (75_400, 37_933, 110),
+    "ppo": (83_067, 45_600, 120),
+    "dpo": (67_222, 35_891, 100),
+    "hybrid": (94_989, 57_522, 130),
+    "reward_model": (77_880, 46_820, 110),
+    "sft": (45_514, 15_646, 80),
+    "capacity_ppo": (36_003, 23_800, 60),
 }
 PER_SCRIPT = {"Args", "main", "check_args"}  # each script's own by nature
 # Args' base classes, the boxes of --help in this order (command_line); each script's own flags
