@@ -36,7 +36,8 @@ Spec grammar
 
 Registry (columns needed -> options; penalties are <= 0, everything else is "higher is better")
   rule-based
-    correctness           answer   -> correct=1.0, wrong=-0.5 (also for a missing answer)
+    correctness           answer   -> correct=1.0, wrong=-0.5 (also for a missing answer),
+                                      tagged_only=False (True: no last-number fallback)
     format                         -> mode="strict"|"soft"|"pairs"
     reasoning_steps                -> target_steps=3, count="segments"|"phrases", per_step=None
     conciseness                    -> max_length=512, unit="words"|"chars"|"tokens",
@@ -250,10 +251,13 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(completion: str) -> str | None:
+def extract_answer(completion: str, tagged_only: bool = False) -> str | None:
     """The final answer of a completion: the last <answer>...</answer> (or a \\boxed{} in it), else
-    the last \\boxed{...}, else the last number; None when there is none."""
+    (unless `tagged_only`: a tool's output may hold numbers) the last \\boxed{...}, else the last
+    number; None when there is none."""
     tagged = _ANSWER_TAG.findall(completion)
+    if not tagged and tagged_only:
+        return None
     text = tagged[-1] if tagged else completion
     boxed = _last_boxed(text) if "\\boxed{" in text else None
     if boxed is not None:
@@ -308,14 +312,16 @@ def answers_match(predicted: str | None, reference) -> bool:
 
 
 @register("correctness")
-def correctness(completions, *, prompts, answer, correct: float = 1.0, wrong: float = -0.5, **_) -> list[float]:
+def correctness(completions, *, prompts, answer, correct: float = 1.0, wrong: float = -0.5, tagged_only: bool = False,
+                **_) -> list[float]:
     """`correct` if the extracted answer (see `extract_answer`) equals the column `answer`, else
-    `wrong` (also when no answer can be found)."""
+    `wrong` (also when no answer can be found). tagged_only: the <answer> tag only (on in tool runs)."""
     _number("correct", correct)
     _number("wrong", wrong)
+    _choice("tagged_only", tagged_only, (True, False))
     for row, a in enumerate(answer):
         _check_cell("answer", row, a)
-    return [correct if answers_match(extract_answer(c), a) else wrong for c, a in zip(completions, answer)]
+    return [correct if answers_match(extract_answer(c, tagged_only), a) else wrong for c, a in zip(completions, answer)]
 
 
 _STRICT_FORMAT = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.S)
@@ -1307,11 +1313,12 @@ TYPE_ALIASES = {"sts": "cosine_sts"}
 """Other names a spec may use for a type (the specification's), besides any upper/lower case."""
 
 
-def _build(node: dict, names: set[str], is_root: bool) -> Reward:
+def _build(node: dict, names: set[str], is_root: bool, defaults: dict) -> Reward:
     node = dict(node)
     kind = node.pop("type", None)
     if isinstance(kind, str) and kind not in REGISTRY:
         kind = TYPE_ALIASES.get(kind.lower(), kind.lower() if kind.lower() in REGISTRY or kind.lower() == "weighted_sum" else kind)
+    node = {**defaults.get(kind, {}), **node}
     name = node.pop("name", "total" if is_root and kind == "weighted_sum" else kind)
     if not isinstance(name, str) or not name:
         raise ValueError(f"component name must be a non-empty string, got {name!r}")
@@ -1334,7 +1341,7 @@ def _build(node: dict, names: set[str], is_root: bool) -> Reward:
         for item in components:
             child = _parse_component(item)
             weight = _weight(child.get("name", child.get("type")), child.pop("weight", 1.0))
-            children.append((weight, _build(child, names, is_root=False)))
+            children.append((weight, _build(child, names, is_root=False, defaults=defaults)))
         if normalize and math.fsum(abs(w) for w, _ in children) == 0:
             raise ValueError(f"reward sum {name!r} has normalize=true but all weights are 0")
         spec["components"] = [{**child.spec, "weight": w} for w, child in children]
@@ -1366,6 +1373,8 @@ def _build(node: dict, names: set[str], is_root: bool) -> Reward:
     return reward
 
 
-def make_reward(spec=DEFAULT_SPEC) -> Reward:
-    """Build a `Reward` from a spec (see the module docstring); ValueError on any bad spec."""
-    return _build(_normalize_spec(spec), set(), is_root=True)
+def make_reward(spec=DEFAULT_SPEC, defaults: dict | None = None) -> Reward:
+    """Build a `Reward` from a spec (see the module docstring); ValueError on any bad spec.
+    defaults: {type: {option: value}}, options of every component of that type the spec leaves unset
+    (grpo.py's tool runs: {"correctness": {"tagged_only": True}})."""
+    return _build(_normalize_spec(spec), set(), is_root=True, defaults=defaults or {})
