@@ -52,6 +52,9 @@ Registry (columns needed -> options; penalties are <= 0, everything else is "hig
     rouge_l (beta, lowercase, use_stemmer)
   model-based (options model, device="auto", batch_size, max_length, dtype; loaded on first use)
     reward_model, sentiment, toxicity, perplexity, cosine_sts (column target), bertscore (target)
+    judge         [answer] -> template=JUDGE_TEMPLATE ({prompt} {completion} [{answer}: then a column]),
+                              choices={" yes": 1, " no": 0}, chat_template=True, dtype="auto": a causal
+                              LM's expected verdict (docs/judge.md)
 
 Choices and deviations, written down
   - correctness compares numbers exactly (Fraction): "84.0" == "84", "1,234" == "1234",
@@ -94,9 +97,11 @@ import functools
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
 import re
+import string
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -111,10 +116,12 @@ RewardFn = Callable[..., list[float]]
 REGISTRY: dict[str, RewardFn] = {}
 _REQUIRES: dict[str, tuple[str, ...]] = {}
 _OPTIONAL_COLUMNS: dict[str, tuple[str, ...]] = {}
+_COLUMNS_FROM_OPTIONS: dict[str, Callable[[dict], Sequence[str]]] = {}
 _RESERVED = ("weighted_sum", "total")
 
 
-def register(name: str, *, requires: Sequence[str] = (), optional_columns: Sequence[str] = ()
+def register(name: str, *, requires: Sequence[str] = (), optional_columns: Sequence[str] = (),
+             columns_from_options: Callable[[dict], Sequence[str]] = lambda options: ()
              ) -> Callable[[RewardFn], RewardFn]:
     """Add a reward to the registry under `name`, for use in specs.
 
@@ -126,6 +133,8 @@ def register(name: str, *, requires: Sequence[str] = (), optional_columns: Seque
     always called with keyword arguments. `make_reward` calls it once on an empty batch
     (every list empty) to check the options before any work: return [] for an empty batch and
     raise ValueError for a bad option. `requires`: importable packages it needs.
+    `columns_from_options(options)`: the optional columns that the (checked) options make required
+    (judge's template showing {answer}).
     """
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*", name) or name in _RESERVED:
         raise ValueError(f"bad reward name {name!r}: use letters, digits and _ (not {', '.join(_RESERVED)})")
@@ -140,6 +149,7 @@ def register(name: str, *, requires: Sequence[str] = (), optional_columns: Seque
         REGISTRY[name] = fn
         _REQUIRES[name] = tuple(requires)
         _OPTIONAL_COLUMNS[name] = tuple(optional_columns)
+        _COLUMNS_FROM_OPTIONS[name] = columns_from_options
         return fn
 
     return decorator
@@ -1025,6 +1035,161 @@ def bertscore(completions, *, prompts, target, model: str = "roberta-large", lay
     return [max(bertscore_f1(t_c[i], t_r[j]) for j in group) for i, group in enumerate(groups)]
 
 
+JUDGE_TEMPLATE = "{prompt}\n\nResponse: {completion}\n\nIs the response correct? Answer yes or no.\nAnswer:"
+JUDGE_CHOICES = {" yes": 1.0, " no": 0.0}
+_PROMPT_MARK = "\x00\x01prompt\x01\x00"  # where {prompt} goes, so its characters can be found after chat templating
+_SAID: set[str] = set()
+
+
+def _say_once(key: str, text: str) -> None:
+    """Log `text` as a warning the first time `key` is seen in this process."""
+    if key not in _SAID:
+        _SAID.add(key)
+        logging.getLogger(__name__).warning(text)
+
+
+def judge_fields(template) -> set[str]:
+    """The placeholders of a judge template, checked: {completion} and any of {prompt}, {answer}."""
+    if not isinstance(template, str):
+        raise ValueError(f"option template must be a string with {{completion}} in it, got {template!r:.80}")
+    try:
+        fields = {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
+    except ValueError as e:
+        raise ValueError(f"option template is not a format string ({e}): a literal brace is {{{{ or }}}}") from None
+    unknown = sorted(fields - {"prompt", "completion", "answer"})
+    if unknown:
+        raise ValueError(f"option template has unknown placeholder(s) {unknown}: use {{prompt}}, {{completion}} and "
+                         "{answer} (a literal brace is {{ or }})")
+    if "completion" not in fields:
+        raise ValueError("option template has no {completion}: the judge would not see what it grades")
+    return fields
+
+
+@functools.lru_cache(maxsize=None)
+def load_tokenizer(model: str):
+    """The tokenizer of `model`, cached: the judge checks its choices with it before any model loads."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(model)
+    except OSError as e:
+        raise ValueError(f"could not load a tokenizer from {model!r} ({str(e).splitlines()[0]}). Pass option "
+                         "model=<local path or hub id>; offline (HF_HUB_OFFLINE=1), only local or cached ones") from None
+
+
+def choice_token_ids(tokenizer, choices) -> list[int]:
+    """The token id of each verdict in `choices` ({text: value}); ValueError unless each is one distinct token."""
+    if not isinstance(choices, dict) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"option choices must map at least two verdicts to values, e.g. {JUDGE_CHOICES}, "
+                         f"got {choices!r}")
+    def one_token(text: str) -> bool:
+        pieces = tokenizer(text, add_special_tokens=False).input_ids
+        return len(pieces) == 1 and pieces[0] != tokenizer.unk_token_id
+
+    ids = []
+    for choice, value in choices.items():
+        _number(f"choices[{choice!r}]", value)
+        pieces = tokenizer(choice, add_special_tokens=False).input_ids
+        if not one_token(choice):
+            word = choice.strip() or choice
+            spellings = dict.fromkeys([word, " " + word, word.capitalize(), " " + word.capitalize(), word.upper(),
+                                       word[0], word[0].upper()])
+            single = [s for s in spellings if one_token(s)]
+            hint = f"here: {', '.join(map(repr, single))}" if single else "none of its spellings is"
+            raise ValueError(f"choice {choice!r} is {len(pieces)} tokens of the judge's tokenizer "
+                             f"{tokenizer.convert_ids_to_tokens(pieces)}, not one: spell it as one token ({hint})")
+        ids += pieces
+    if len(set(ids)) < len(ids):
+        raise ValueError(f"choices {list(choices)} share a token of the judge's tokenizer: give distinct verdicts")
+    return ids
+
+
+def judge_inputs(tokenizer, prompts, completions, answers, template: str, chat_template: bool, max_length: int):
+    """Token ids of each judge input: the template filled in, in the model's chat template if asked and it has one.
+    Longer than max_length: the start of the prompt is cut, never the rest (a one-line notice the first time)."""
+    rows, chat = [], chat_template and tokenizer.chat_template is not None
+    for row, (prompt, completion, answer) in enumerate(zip(prompts, completions, answers)):
+        text = template.format(prompt=_PROMPT_MARK, completion=completion, answer=answer)
+        if chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        parts = text.split(_PROMPT_MARK)
+        text, spans = parts[0], []  # spans: where the prompt's characters are
+        for part in parts[1:]:
+            spans.append((len(text), len(text) + len(prompt)))
+            text += prompt + part
+        enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
+        ids, excess = enc.input_ids, len(enc.input_ids) - max_length
+        if excess > 0:
+            cuttable = [i for i, (s, e) in enumerate(enc.offset_mapping)
+                        if e > s and any(a <= s and e <= b for a, b in spans)]
+            if len(cuttable) < excess:
+                raise ValueError(f"judge input {row} is {len(ids) - len(cuttable)} tokens without its prompt, more "
+                                 f"than max_length={max_length}: raise option max_length (only the prompt is ever cut)")
+            cut = set(cuttable[:excess])
+            ids = [t for i, t in enumerate(ids) if i not in cut]
+            _say_once(f"cut {max_length}", f"judge: inputs over max_length={max_length} tokens lose the start of "
+                      "their prompt")
+        rows.append(ids)
+    return rows
+
+
+@register("judge", requires=("torch", "transformers"), optional_columns=("answer",),
+          columns_from_options=lambda options: ["answer"] if "answer" in judge_fields(
+              options.get("template", JUDGE_TEMPLATE)) else [])
+def judge(completions, *, prompts, model: str = "", template: str = JUDGE_TEMPLATE, choices: dict | None = None,
+          chat_template: bool = True, device: str = "auto", batch_size: int = 16, max_length: int = 1024,
+          dtype: str = "auto", answer=None, **_) -> list[float]:
+    """A causal LM grades each completion (LLM-as-judge; GenRM, arXiv:2408.15240): E[value of the verdict] under the
+    judge's next-token distribution after the filled-in `template`, renormalised over `choices` ({verdict: value},
+    each verdict one token): P(yes) for the default, the G-Eval expectation (arXiv:2303.16634) for a scale such as
+    {"1": 1, ..., "5": 5}. The template shows {prompt}, {completion} and (then the column answer is required) the
+    reference {answer}. One forward pass per batch, each distinct input once; dtype "auto": bfloat16 on CUDA,
+    float32 elsewhere. A one-line warning when the choices hold under half the judge's probability on average."""
+    import torch
+
+    fields = judge_fields(template)
+    _choice("chat_template", chat_template, (True, False))
+    if dtype == "auto":
+        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        dtype = "bfloat16" if cuda else "float32"
+    run = _model_options(model, device, batch_size, max_length, dtype)
+    choices = JUDGE_CHOICES if choices is None else choices
+    ids = choice_token_ids(load_tokenizer(model), choices)
+    if not completions:
+        return []
+    if "answer" in fields and answer is None:
+        raise ValueError("the template shows {answer}: pass the column answer")
+    answers = [None] * len(completions) if answer is None else answer
+    for row, value in enumerate(answers if "answer" in fields else []):
+        _check_cell("answer", row, value)
+    tokenizer, network = load_model("AutoModelForCausalLM", model, run["device"], dtype)
+    inputs = judge_inputs(tokenizer, list(prompts), list(completions), answers, template, chat_template, max_length)
+    distinct = sorted(set(map(tuple, inputs)), key=len)  # each input once, by length: batches pad less
+    values = torch.tensor(list(choices.values()), dtype=torch.float64)
+    scores, mass = {}, []
+    with torch.inference_mode():
+        for start in range(0, len(distinct), batch_size):
+            chunk = distinct[start:start + batch_size]
+            width = len(chunk[-1])
+            input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, seq in enumerate(chunk):  # left-padded, so every row's verdict is read at the last position
+                input_ids[row, width - len(seq):] = torch.tensor(seq)
+                mask[row, width - len(seq):] = 1
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            logits = network(input_ids=input_ids.to(network.device), attention_mask=mask.to(network.device),
+                             position_ids=positions.to(network.device), logits_to_keep=1).logits[:, -1]
+            logp = logits.float().log_softmax(-1)[:, ids].double().cpu()  # the full vocabulary's log-softmax
+            mass += logp.exp().sum(-1).tolist()
+            scores.update(zip(chunk, (logp.softmax(-1) @ values).tolist()))
+    mean_mass = sum(mass) / len(mass)
+    if mean_mass < 0.5:
+        _say_once(f"mass {model} {template} {choices}", f"judge: the choices {list(choices)} hold {mean_mass:.0%} of "
+                  f"{model!r}'s next-token probability on average: the template and the choices do not match")
+    return [scores[tuple(seq)] for seq in inputs]
+
+
 # ---------------------------------------------------------------------------------------------
 # Postprocessors
 # ---------------------------------------------------------------------------------------------
@@ -1370,6 +1535,7 @@ def _build(node: dict, names: set[str], is_root: bool, defaults: dict) -> Reward
         fn(completions=[], prompts=[], **{c: [] for c in reward._columns}, **node)
     except (ValueError, TypeError) as e:
         raise ValueError(f"reward {name!r}: {e}") from None
+    reward._columns |= set(_COLUMNS_FROM_OPTIONS[kind](node))
     return reward
 
 

@@ -353,7 +353,7 @@ def test_bad_component_output(spec, message):
     ({"type": "weighted_sum", "normalize": True, "components": ["format:0"]}, r"all weights are 0"),
     ({"type": "weighted_sum", "components": ["format"], "bogus": 1}, r"unknown key\(s\) \['bogus'\] for weighted_sum"),
     ({"type": "correctness", "bogus": 1},
-     r"unknown option\(s\) \['bogus'\] for reward 'correctness'; valid options: correct, wrong"),
+     r"unknown option\(s\) \['bogus'\] for reward 'correctness'; valid options: correct, tagged_only, wrong"),
     ({"type": "capitalization", "x": 1}, r"valid options: none"),
     ({"type": "format", "mode": "loose"}, r"reward 'format': option mode='loose' is not one of \['strict', 'soft', 'pairs'\]"),
     ({"type": "correctness", "wrong": "-1"}, r"option wrong must be a finite number, got '-1'"),
@@ -757,3 +757,128 @@ def test_edit_distance_rewards_name_rapidfuzz_when_it_is_missing(monkeypatch, ki
     hide_package(monkeypatch, "rapidfuzz")
     with pytest.raises(ValueError, match=rf"reward '{kind}' needs the package\(s\) \['rapidfuzz'\]: pip install rapidfuzz"):
         make_reward(kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# judge: a causal LM's next-token verdict
+# ---------------------------------------------------------------------------------------------
+
+JUDGE_SPEC = {"type": "judge", "template": "{prompt} {completion} is it good", "choices": {"good": 1, "bad": 0},
+              "device": "cpu", "batch_size": 3}
+SCALE = {"i": 1, "a": 2, "the": 3, "cat": 4, "dog": 5}
+
+
+def judge_reference(tiny, path, texts, choices) -> list[float]:
+    """E[value] of the verdict at each text's end, unbatched, in float64: softmax over the choices' log-probs."""
+    tok, model = _reference(tiny, "AutoModelForCausalLM", path)
+    ids = [tok.convert_tokens_to_ids(c) for c in choices]
+    out = []
+    for text in texts:
+        ids_in = text if isinstance(text, list) else tok(text).input_ids
+        logp = model(input_ids=tiny.torch.tensor([ids_in])).logits[0, -1].log_softmax(-1)
+        p = logp[ids].exp() / logp[ids].exp().sum()
+        out.append(float(sum(p_i * v for p_i, v in zip(p.tolist(), choices.values()))))
+    return out
+
+
+@pytest.mark.parametrize("choices", [{"good": 1, "bad": 0}, SCALE])
+def test_judge_matches_float64_reference(tiny, choices):
+    """P(good) and a 1-5 scale's expectation against an unbatched float64 forward; batches of 3 inputs of different
+    lengths (left-padded), a repeated input scored once."""
+    prompts, completions = ["i am", "the cat", "a dog is", "", "i am"], TEXTS + TEXTS[:1]
+    spec = {**JUDGE_SPEC, "model": tiny.causal, "choices": choices}
+    texts = [f"{p} {c} is it good" for p, c in zip(prompts, completions)]
+    expected = judge_reference(tiny, tiny.causal, texts, choices)
+    assert score(spec, completions, prompts) == pytest.approx(expected, abs=1e-5)
+    assert len(set(expected)) == 4 and min(expected) >= min(choices.values()) and max(expected) <= max(choices.values())
+
+
+def test_judge_template_answer_and_chat_template(tiny, tmp_path):
+    """{answer} makes answer a required column; a chat template wraps the filled-in template unless chat_template=false."""
+    spec = {**JUDGE_SPEC, "model": tiny.causal, "template": "{completion} the {answer}"}
+    reward = make_reward(spec)
+    assert reward.required_columns == {"answer"} and make_reward({**spec, "template": "{completion}"}).required_columns == set()
+    expected = judge_reference(tiny, tiny.causal, ["good the cat", "bad the dog"], spec["choices"])
+    assert reward(["good", "bad"], prompts=["", ""], answer=["cat", "dog"]) == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(ValueError, match=r"needs column\(s\) \['answer'\]"):
+        reward(["good"], prompts=[""])
+    tok = tiny.transformers.AutoTokenizer.from_pretrained(tiny.causal)
+    tok.chat_template = "{% for m in messages %}a {{ m.content }} i{% endfor %}"
+    chat = tmp_path / "chat"
+    tiny.transformers.AutoModelForCausalLM.from_pretrained(tiny.causal).save_pretrained(chat)
+    tok.save_pretrained(chat)
+    wrapped = judge_reference(tiny, tiny.causal, ["a good the cat i"], spec["choices"])  # no <s>: the template's own
+    ids = tok("a good the cat i", add_special_tokens=False).input_ids
+    assert wrapped != judge_reference(tiny, tiny.causal, [ids], spec["choices"])
+    assert score({**spec, "model": str(chat)}, ["good"], answer=["cat"]) == pytest.approx(
+        judge_reference(tiny, tiny.causal, [ids], spec["choices"]), abs=1e-5)
+    assert score({**spec, "model": str(chat), "chat_template": False}, ["good"], answer=["cat"]) == pytest.approx(
+        expected[:1], abs=1e-5)
+
+
+def test_judge_cuts_the_prompt_start_only(tiny, caplog, monkeypatch):
+    """Over max_length, the prompt loses its first tokens, never the completion or the template's words; an input
+    too long without its prompt is refused."""
+    spec = {**JUDGE_SPEC, "model": tiny.causal, "max_length": 7}
+    tok = tiny.transformers.AutoTokenizer.from_pretrained(tiny.causal)
+    long_ids = tok("the dog was sad cat is it good").input_ids  # 9 tokens with <s>: "the dog" goes
+    expected = judge_reference(tiny, tiny.causal, [long_ids[:1] + long_ids[3:], "i am good is it good"], spec["choices"])
+    monkeypatch.setattr(rewards, "_SAID", set())
+    with caplog.at_level("WARNING", logger="rewards"):
+        values = score(spec, ["cat", "good"], ["the dog was sad", "i am"])
+        score(spec, ["cat"], ["the dog was sad"])
+    assert values == pytest.approx(expected, abs=1e-5)
+    assert [r.getMessage() for r in caplog.records if "max_length" in r.getMessage()] == [
+        "judge: inputs over max_length=7 tokens lose the start of their prompt"]
+    with pytest.raises(ValueError, match=r"judge input 0 is 8 tokens without its prompt, more than max_length=7"):
+        score(spec, ["the cat sat on"], ["i am"])
+
+
+def test_judge_warns_when_the_choices_miss_the_probability(tiny, caplog, monkeypatch):
+    monkeypatch.setattr(rewards, "_SAID", set())  # the warnings said once per process
+    with caplog.at_level("WARNING", logger="rewards"):
+        score({**JUDGE_SPEC, "model": tiny.causal}, TEXTS)
+    assert any(r.getMessage().startswith("judge: the choices ['good', 'bad'] hold ") and "do not match" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_judge_takes_trls_call(tiny):
+    """GRPOTrainer's keyword call (completion_ids, trainer_state, log_extra and other columns), through make_reward and
+    bare; chat-format messages through make_reward."""
+    spec = {**JUDGE_SPEC, "model": tiny.causal, "template": "{completion} the {answer}"}
+    extra = dict(completion_ids=[[5]] * 2, trainer_state=SimpleNamespace(global_step=3), log_extra=lambda *a, **k: None,
+                 id=[0, 1], answer=["cat", "dog"])
+    expected = judge_reference(tiny, tiny.causal, ["good the cat", "bad the dog"], spec["choices"])
+    assert make_reward(spec)(prompts=["i", "a"], completions=["good", "bad"], **extra) == pytest.approx(expected, abs=1e-5)
+    chat = make_reward(spec)(prompts=[[{"role": "user", "content": "i"}]] * 2, **extra,
+                             completions=[[{"role": "assistant", "content": c}] for c in ("good", "bad")])
+    assert chat == pytest.approx(expected, abs=1e-5)
+    bare = {k: v for k, v in spec.items() if k != "type"}
+    assert rewards.judge(prompts=["i", "a"], completions=["good", "bad"], **extra, **bare) == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"model": "models/no-judge"}, r"model path 'models/no-judge' does not exist"),
+    ({"model": "no-org/no-judge"}, r"could not load a tokenizer from 'no-org/no-judge'"),
+    ({"template": "{prompt} is it good"}, r"option template has no \{completion\}"),
+    ({"template": "{completion} {reference} {0}"}, r"unknown placeholder\(s\) \['0', 'reference'\]"),
+    ({"template": "{completion"}, r"option template is not a format string"),
+    ({"choices": {"good": 1}}, r"option choices must map at least two verdicts to values"),
+    ({"choices": {"good": 1, "bad": "low"}}, r"option choices\['bad'\] must be a finite number"),
+    ({"choices": {"good": 1, "the cat": 0}}, r"choice 'the cat' is 2 tokens of the judge's tokenizer \['the', 'cat'\], "
+                                             r"not one: spell it as one token \(none of its spellings is\)"),
+])
+def test_judge_bad_options_are_one_line_at_build_time(tiny, monkeypatch, options, message):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rewards.load_model.cache_clear()
+    with pytest.raises(ValueError, match=message) as e:
+        make_reward({**JUDGE_SPEC, "model": tiny.causal, **options})
+    assert "\n" not in str(e.value) and rewards.load_model.cache_info().currsize == 0  # no model loaded
+
+
+def test_judge_default_choices_are_refused_by_a_character_tokenizer(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ValueError, match=r"choice ' yes' is \d tokens of the judge's tokenizer \[.*'y', 'e', 's'\], "
+                                         r"not one: spell it as one token \(here: 'y', 'Y'\)"):
+        make_reward({"type": "judge", "model": "models/tiny-arith"})
