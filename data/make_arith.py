@@ -24,11 +24,19 @@ reward_model.py. `sft_noisy.jsonl`: the SFT rows with a slip in 40% of them (the
 `answer`, still the true answer), so that demonstrations teach some wrong arithmetic that rewards must
 correct (hybrid.py's ablation). The extra files draw from their own random streams, so the four
 original files are unchanged. Output is byte-identical for a given seed.
+
+`verify.jsonl` / `verify_test.jsonl` (19,000 / 1,000 rows; the held-out rows on the last 5% of the train problems,
+none a test problem): data for a judge (rewards.py's `judge`, docs/judge.md). Each row has a problem (`prompt`), a
+candidate `completion`, the reference `answer`, its `kind` and `verdict` (Y for the right trace, about half the rows;
+N otherwise) and `judge_prompt`, the judge's input: JUDGE_TEMPLATE filled in. The negatives are those judges are
+known to fall for: one slip (20%), a truncated trace (10%), a trace of the right shape with nonsense columns such as
+`0+0=0` (10%), an answer tag with no work, right or wrong (10%).
 """
 
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models
@@ -39,6 +47,9 @@ EOS, PAD, UNK = "<|endoftext|>", "<|pad|>", "<|unk|>"
 # Every printable ASCII character and newline, so any English prompt can be tokenised.
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 NOISY_FRACTION = 0.4  # share of sft_noisy.jsonl rows whose trace has one slip
+# verify*.jsonl: the judge's input (data/rewards/judge_arith.json's template), the share of each kind of candidate
+JUDGE_TEMPLATE = "{prompt}{completion}ref:{answer},ok?"
+VERDICT_KINDS = {"correct": 0.5, "slip": 0.2, "truncated": 0.1, "nonsense": 0.1, "no_work": 0.1}
 
 
 def sample_problem(rng: random.Random, max_digits: int) -> tuple[int, str, int]:
@@ -84,6 +95,43 @@ def column_trace(a: int, op: str, b: int, slip: int | None = None) -> tuple[list
 
 def completion(steps: list[str], answer: str) -> str:
     return f"{THINK}{','.join(steps)}{END_THINK}{ANSWER}{answer}{END_ANSWER}"
+
+
+def candidate(a: int, op: str, b: int, kind: str, rng: random.Random) -> str:
+    """A completion of `a op b` of one VERDICT_KINDS kind: the right trace, or a negative that judges are known to
+    fall for: one slip (a wrong answer), a truncated trace, a trace of the right shape with nonsense columns (`0+0=0`
+    or columns of other digits, and the answer they imply), an answer tag with no work (right or wrong)."""
+    steps, answer = column_trace(a, op, b)
+    if kind == "correct":
+        return completion(steps, answer)
+    if kind == "slip":
+        slipped = [column_trace(a, op, b, slip=i) for i in range(len(steps))]
+        return completion(*rng.choice([(s, wrong) for s, wrong in slipped if wrong != answer]))
+    if kind == "truncated":  # cut anywhere before the last tag, never inside a tag
+        units = re.findall(r"<[^>]+>|.", completion(steps, answer))
+        return "".join(units[: rng.randrange(1, len(units))])
+    wrong = str(abs(int(answer) + rng.choice([-10, -1, 1, 10])))
+    if kind == "no_work":
+        return f"{ANSWER}{rng.choice([answer, wrong])}{END_ANSWER}"
+    columns = []
+    for _ in range(rng.randint(1, 4)):
+        x, y = (0, 0) if rng.random() < 0.5 else sorted((rng.randrange(10), rng.randrange(10)), reverse=op == "-")
+        columns.append((f"{x}{op}{y}", x + y if op == "+" else x - y))
+    implied = "".join(str(v % 10) for _, v in columns[::-1]).lstrip("0") or "0"
+    return completion([f"{c}={v}" for c, v in columns], wrong if implied == answer else implied)
+
+
+def verification_rows(problems: list, rng: random.Random) -> list[dict]:
+    """Rows for a judge: the problem, a candidate, the reference, its kind, the verdict (Y: the right trace) and the
+    judge's input (JUDGE_TEMPLATE filled in)."""
+    rows = []
+    for a, op, b in problems:
+        kind = rng.choices(list(VERDICT_KINDS), weights=list(VERDICT_KINDS.values()))[0]
+        prompt, answer, text = f"{a}{op}{b}=", str(a + b if op == "+" else a - b), candidate(a, op, b, kind, rng)
+        rows.append({"prompt": prompt, "completion": text, "answer": answer, "kind": kind,
+                     "verdict": "Y" if kind == "correct" else "N",
+                     "judge_prompt": JUDGE_TEMPLATE.format(prompt=prompt, completion=text, answer=answer)})
+    return rows
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -152,9 +200,13 @@ def main(out: Path, seed: int, n_train: int, n_test: int, n_prefs: int, max_digi
             r = {**r, "completion": completion(*column_trace(*p, slip=noisy_rng.randrange(len(steps))))}
         noisy.append(r)
     write_jsonl(out / "sft_noisy.jsonl", noisy)
+    verify_rng, held = random.Random(seed + 4), len(train) // 20
+    verify, verify_test = verification_rows(train[:-held], verify_rng), verification_rows(train[-held:], verify_rng)
+    write_jsonl(out / "verify.jsonl", verify)
+    write_jsonl(out / "verify_test.jsonl", verify_test)
     build_tokenizer().save_pretrained(out / "tokenizer")
     print(f"wrote {len(train)} train, {len(test)} test, {len(sft)} sft ({len(noisy)} noisy), {len(prefs)} prefs, "
-          f"{len(prefs_test)} held-out prefs to {out}")
+          f"{len(prefs_test)} held-out prefs, {len(verify)} + {len(verify_test)} verify rows to {out}")
 
 
 if __name__ == "__main__":

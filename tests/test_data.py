@@ -1,6 +1,7 @@
 """The embedded task: deterministic generation, correct traces, a tokenizer that round-trips it."""
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "data"))
 import make_arith  # noqa: E402
 
-SPLITS = ("train", "test", "sft", "prefs", "prefs_test", "sft_noisy")
+SPLITS = ("train", "test", "sft", "prefs", "prefs_test", "sft_noisy", "verify", "verify_test")
 
 
 def test_generation_reproduces_committed_files(tmp_path):
@@ -81,3 +82,39 @@ def test_tokenizer_round_trips_every_character():
     assert tok.batch_decode(encoded) == texts
     # The four tags are single tokens: 6 characters + 4 tags.
     assert len(tok("<think>1+1=2</think><answer>2</answer>", add_special_tokens=False)["input_ids"]) == 10
+
+
+def test_verification_rows_are_balanced_labelled_and_held_out():
+    """verify*.jsonl: Y exactly for the right trace, about half the rows; each negative of its kind; the judge's input
+    is data/rewards/judge_arith.json's template filled in; held-out problems are neither test nor verify problems."""
+    rows = {s: [json.loads(line) for line in (ROOT / f"data/arith/{s}.jsonl").open()] for s in ("verify", "verify_test",
+                                                                                                  "test")}
+    spec = json.loads((ROOT / "data/rewards/judge_arith.json").read_text())["components"][0]
+    assert spec["template"] == make_arith.JUDGE_TEMPLATE and set(spec["choices"]) == {"Y", "N"}
+    assert (len(rows["verify"]), len(rows["verify_test"])) == (19000, 1000)
+    problems = {s: {r["prompt"] for r in rows[s]} for s in rows}
+    assert not problems["verify_test"] & problems["test"] and not problems["verify"] & problems["test"]
+    assert not problems["verify_test"] & problems["verify"]
+    for r in rows["verify"] + rows["verify_test"]:
+        assert r["judge_prompt"] == spec["template"].format(**r)
+        assert r["verdict"] == ("Y" if r["kind"] == "correct" else "N")
+        a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", r["prompt"]).groups()
+        assert r["answer"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+        right = make_arith.completion(*make_arith.column_trace(int(a), op, int(b)))
+        tagged = re.fullmatch(r"(?:<think>(.*)</think>)?<answer>(\d+)</answer>", r["completion"])
+        if r["kind"] == "correct":
+            assert r["completion"] == right
+        elif r["kind"] == "truncated":
+            assert right.startswith(r["completion"]) and r["completion"] != right and "</answer>" not in r["completion"]
+        elif r["kind"] == "no_work":
+            assert tagged and tagged.group(1) is None
+        else:  # slip and nonsense: a trace of the right shape ending at a wrong answer
+            assert tagged and tagged.group(1) and tagged.group(2) != r["answer"]
+            columns = tagged.group(1).split(",")
+            assert all(re.fullmatch(rf"1?\d{re.escape(op)}\d(?:{re.escape(op)}1)?=\d+", c) for c in columns)
+    for split in ("verify", "verify_test"):
+        kinds = [r["kind"] for r in rows[split]]
+        assert 0.45 < kinds.count("correct") / len(kinds) < 0.55
+        assert {k: kinds.count(k) > 0.05 * len(kinds) for k in make_arith.VERDICT_KINDS} == dict.fromkeys(
+            make_arith.VERDICT_KINDS, True)
+    assert any(r["completion"].startswith("<think>0+0=0") for r in rows["verify"] if r["kind"] == "nonsense")
