@@ -5,7 +5,8 @@ std(r) over its group (Sec. 4.1.2), maximise the clipped surrogate minus beta KL
 Variants (equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards none --loss-type dr_grpo`; DAPO
 (arXiv:2503.14476) `--clip-high 0.28 --dynamic-sampling --mask-truncated-completions --loss-type dapo`; GSPO
 (arXiv:2507.18071) `--importance-sampling-level sequence`; CISPO (arXiv:2506.13585) `--loss-type cispo`; RLOO
-`--baseline rloo`; high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`.
+`--baseline rloo`; high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`. Tools `--tools calculator`:
+the model writes <calculator>2*21</calculator>, the result joins the context, no loss term counts its tokens.
 
     python grpo.py  # models/tiny-arith on data/arith, CPU
     python grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
@@ -20,6 +21,7 @@ Deviations (why, measurements: docs/grpo.md):
 - Under torchrun each process draws its own prompts; rewards are gathered for batch statistics.
 """
 
+import ast
 import atexit
 import contextlib
 import copy
@@ -27,6 +29,7 @@ import importlib.util
 import inspect
 import math
 import json
+import operator
 import os
 import random
 import re
@@ -35,6 +38,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, make_dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -100,6 +104,14 @@ class Algorithm:
     """train on this fraction of tokens, of highest entropy"""
     importance_sampling_cap: Optional[float] = None
     """cap on the per-token loss weight p_old / p_sampler (None: off)"""
+    tools: tuple[str, ...] = ()
+    """tools the model may call: calculator, file.py:function, tag=either"""
+    max_turns: int = 4
+    """model turns per completion with --tools (a call in the last is not run)"""
+    max_tool_output: int = 32
+    """tokens of a tool's output kept (then a '...(cut)' marker)"""
+    tool_result_template: str = "<result>{}</result>"
+    """how a tool's output joins the context"""
 
 
 @dataclass
@@ -220,14 +232,6 @@ def group_advantages(rewards, scale: str, baseline: str = "mean"):
 def informative_groups(rewards):
     """rewards: [P, G] -> [P] bool: the group's rewards are not all equal (DAPO Sec. 3.2)."""
     return rewards.amax(dim=1) > rewards.amin(dim=1)
-
-
-def completion_mask(completion_ids: torch.Tensor, eos_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """completion_ids: [B, T]; eos_ids: [K] -> (mask [B, T] float32: tokens up to the first EOS included, truncated
-    [B] bool: no EOS)."""
-    is_eos = torch.isin(completion_ids, eos_ids)
-    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
-    return (eos_before == 0).float(), ~is_eos.any(dim=1)
 
 
 def aggregate_loss(per_token_loss, mask, args, num_tokens: int, local_tokens: int, world: int):
@@ -402,24 +406,58 @@ class DataOrder:
 
 
 @torch.no_grad()
-def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, eos_ids, reward, autocast, timing):
+def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, eos_ids, reward, autocast, timing,
+            tools: dict, args):
     """Steps 1-2 of Algorithm 1 (sample, score) for the prompts `rows` of load_prompts' data."""
-    ids, mask = (t.to(model.device) for t in left_pad([data["ids"][i] for i in rows], tokenizer.pad_token_id))
     t0 = time.perf_counter()
     with autocast:
         sampler = sampler_copy(model) if backend == "copy" else model
-        completion_ids, sampler_logp = sample(sampler, ids, mask, gen_config, backend)
+        out = turns(sampler, tokenizer, [data["ids"][i] for i in rows], gen_config, backend, eos_ids, tools, args)
     t1 = time.perf_counter()
-    c_mask, truncated = completion_mask(completion_ids, torch.tensor(eos_ids, device=ids.device))
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = tokenizer.batch_decode(out["completion_ids"], skip_special_tokens=True)
     trace = reward.trace(completions, **{name: [v[i] for i in rows] for name, v in data["columns"].items()},
-                         completion_ids=[c[: int(m.sum())] for c, m in zip(completion_ids.tolist(), c_mask)])
+                         completion_ids=[c[: int(m.sum())] for c, m in zip(out["completion_ids"].tolist(),
+                                                                           out["completion_mask"])])
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
-    return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion_ids, "completion_mask": c_mask,
-            "sampler_logp": sampler_logp, "truncated": truncated,
-            "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
+    return {**out, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
             "prompts": [data["texts"][i] for i in rows], "completions": completions}
+
+
+def turns(model, tokenizer, prompts: list, gen_config, backend: str, eos_ids, tools: dict, args) -> dict:
+    """Prompt ids -> the rollout's tensors, sampled turn by turn: each open row until EOS, a tool's closing tag or
+    --max-completion-length (model and tool tokens); the tools of rows that stopped at a call run, the result's
+    tokens join the row (tool_mask: True) and it goes on. Sampled ids stay as sampled: never decoded, encoded."""
+    n, budget, stops = len(prompts), args.max_completion_length, [f"</{t}>" for t in tools]
+    (ids, logp, is_tool), calls, errors = ([[] for _ in range(n)] for _ in range(3)), [0] * n, [0] * n
+    live = list(range(n))
+    for turn in range(args.max_turns if tools else 1):
+        x, m = (t.to(model.device) for t in left_pad([prompts[r] + ids[r] for r in live], tokenizer.pad_token_id))
+        config = type(gen_config).from_dict({**gen_config.to_dict(), "stop_strings": stops or None,
+                                             "max_new_tokens": budget - min(len(ids[r]) for r in live)})
+        new, new_logp = sample(model, x, m, config, backend, **({"tokenizer": tokenizer} if tools else {}))
+        going = []
+        for r, row, row_logp in zip(live, new.tolist(), new_logp.tolist()):
+            row = row[: budget - len(ids[r])]
+            end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+            end = call_end(tokenizer, row[:end], stops) or -end if tools else -end  # > 0: a call ends the turn there
+            ids[r] += row[: abs(end)]
+            logp[r] += row_logp[: abs(end)]
+            is_tool[r] += [False] * abs(end)
+            if end > 0 and turn < args.max_turns - 1:
+                result, failed = call_tool(tokenizer, tokenizer.decode(row[:end]), tools, args)
+                result = result[: budget - len(ids[r])]
+                ids[r], logp[r], is_tool[r] = ids[r] + result, logp[r] + [0.0] * len(result), is_tool[r] + [True] * len(result)
+                calls[r], errors[r] = calls[r] + 1, errors[r] + failed
+                going += [r] * (len(ids[r]) < budget)
+        if not (live := going):
+            break
+    pad = lambda rows, value=0: torch.nn.utils.rnn.pad_sequence(list(map(torch.tensor, rows)), True, value)
+    out = {**dict(zip(("prompt_ids", "prompt_mask"), left_pad(prompts, tokenizer.pad_token_id))),
+           "completion_ids": pad(ids, tokenizer.pad_token_id), "completion_mask": pad([[1.0] * len(r) for r in ids]),
+           "sampler_logp": pad(logp), "tool_mask": pad(is_tool).bool(), "tool_calls": torch.tensor(calls),
+           "tool_errors": torch.tensor(errors), "truncated": torch.tensor([r[-1] not in eos_ids for r in ids])}
+    return {k: v.to(model.device) for k, v in out.items()}
 
 
 def logprobs_without_adapters(model, *inputs):
@@ -491,8 +529,8 @@ def grpo_update(run, policy, optimizer, batch: dict, advantages, mask, args, ref
 
 def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, steps: int) -> dict:
     """The step's metrics over all processes; perf/ over the `steps` since the last log."""
-    totals = {**sums, "completion_length": float(batch["completion_mask"].sum()),
-              "truncated_frac": float(batch["truncated"].sum())}
+    totals = {**sums, "completion_length": float(batch["completion_mask"].sum()), "truncated_frac": float(batch[
+        "truncated"].sum()), **{f"tool_{k}": float(batch[f"tool_{k}"].sum()) for k in ("mask", "calls", "errors")}}
     t = dict(zip(totals, run.gather(torch.tensor([list(totals.values())], device=rewards.device)).sum(0).tolist()))
     n_tok = max(t["tokens"], 1)
     return {"train/loss": t["loss"] / args.num_iterations, "train/reward": float(rewards.mean()),
@@ -502,7 +540,10 @@ def grpo_metrics(run, args, sums: dict, batch: dict, rewards, timing: dict, step
             **{f"train/{k}": t[k] / n_tok for k in ("kl", "clip_frac", "entropy")},
             "train/tis_capped_frac": t["tis_capped"] * args.num_iterations / n_tok,
             "train/grad_norm": sums["grad_norm"],
-            **{f"train/{k}": t[k] / rewards.numel() for k in ("completion_length", "truncated_frac")},
+            **{f"train/{k}": t[k] / rewards.numel() for k in ("completion_length", "truncated_frac") + (
+                "tool_calls",) * bool(args.tools)},
+            **({"train/tool_tokens": t["tool_mask"] / rewards.numel(), "train/tool_errors": t["tool_errors"] / max(
+                t["tool_calls"], 1)} if args.tools else {}),
             "train/frac_zero_std": float((~informative_groups(rewards)).float().mean()),
             "perf/tokens_per_s": timing["tokens"] * run.world / max(timing["step"], 1e-9),
             **{f"perf/{k}_s": timing[k] / steps for k in ("step", "generate", "score", "train")}}
@@ -565,8 +606,8 @@ RESUME_MAY_CHANGE = ("total_steps", "log_every", "eval_every", "save_every", "sa
 def main(args: Args) -> dict:
     # 0. Check every input first (--resume: the run's own arguments).
     args, overrides = resume_args(args, RESUME_MAY_CHANGE)
-    micro = check_args(args)
-    reward = make_reward(args.reward)
+    micro, tools = check_args(args)
+    reward = make_reward(args.reward, {"correctness": {"tagged_only": True}} if tools else None)  # not a tool's number
     run = Run(args, overrides, shown=("train/reward", "eval/accuracy") + ("train/kl",) * (args.beta > 0))
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
@@ -601,11 +642,7 @@ def main(args: Args) -> dict:
                                               args.lr_schedule, lr_anchor))
 
     def measure() -> tuple[dict, list]:
-        if not eval_prompts:
-            return {}, []
-        acc, samples = greedy_accuracy(model, tokenizer, eval_prompts, eval_answers, args.max_completion_length,
-                                       eos_ids, progress=run.progress)
-        return {"eval/accuracy": acc}, samples
+        return greedy_turns(model, tokenizer, eval_prompts, eval_answers, eos_ids, tools, args, run.progress)
 
     def save() -> Path:
         state = {"optimizer": None if run.fsdp else optimizer.state_dict(), "reward": reward.state_dict(),
@@ -614,7 +651,7 @@ def main(args: Args) -> dict:
 
     def draw(n: int) -> dict:
         return rollout(model, tokenizer, data, [i for i in order.draw(n) for _ in range(G)], gen_config,
-                       generation_backend(args, run.device), eos_ids, reward, autocast, timing)
+                       generation_backend(args, run.device), eos_ids, reward, autocast, timing, tools, args)
 
     # 4. Train.
     G, groups = args.num_generations, args.prompts_per_step // run.world
@@ -635,7 +672,7 @@ def main(args: Args) -> dict:
             # 4b. Group-relative advantages over the global batch; this process keeps its rows.
             rewards = run.gather(batch["rewards"]["total"].to(run.device)).view(-1, G)
             advantages = group_advantages(rewards, args.scale_rewards, args.baseline).view(run.world, -1)[run.rank]
-            mask = batch["completion_mask"]
+            mask = batch["completion_mask"] * ~batch["tool_mask"]  # the loss mask: no tool's token is in any term
             if args.mask_truncated_completions:  # DAPO's overlong filtering (Sec. 3.4)
                 mask = mask * ~batch["truncated"][:, None]
             # 4c. mu updates on this batch (Eq. 3).
@@ -663,10 +700,10 @@ def main(args: Args) -> dict:
     return run.finish(final, measure, save, merged, tokenizer)
 
 
-def check_args(args: Args) -> int:
-    """Checks needing no model or data -> the micro-batch each process uses."""
+def check_args(args: Args) -> tuple[int, dict]:
+    """Checks needing no model or data -> the micro-batch each process uses, the tools."""
     check_common(args, ("total_steps", "prompts_per_step", "max_completion_length", "max_prompt_length", "log_every",
-                        "num_iterations", "learning_rate", "temperature", "eval_limit"),
+                        "num_iterations", "learning_rate", "temperature", "eval_limit", "max_turns", "max_tool_output"),
                  ("eval_every", "save_every", "warmup_steps", "max_resample_rounds", "lora_r",
                   "num_sample_completions", "micro_batch_size", "beta", "clip_low", "clip_high"),
                  (args.model_name_or_path,))
@@ -680,11 +717,12 @@ def check_args(args: Args) -> int:
             (delta is not None and (delta <= 1 + args.clip_high or args.loss_type == "cispo"),
              f"--delta {delta}: it needs a clip loss type and a value above 1 + --clip-high = {1 + args.clip_high}"),
             (not 0 < args.top_entropy_quantile <= 1, "--top-entropy-quantile must be in (0, 1]"),
-            (args.lora_r and importlib.util.find_spec("peft") is None, "--lora-r needs peft: `pip install peft`")):
+            (args.lora_r and importlib.util.find_spec("peft") is None, "--lora-r needs peft: `pip install peft`"),
+            ("{}" not in args.tool_result_template, "--tool-result-template needs {} where the tool's output goes")):
         if bad:
             raise ValueError(message)
     return fit_micro_batch(args.micro_batch_size, args.prompts_per_step // world * args.num_generations,
-                           f"--prompts-per-step / {world} processes x --num-generations")
+                           f"--prompts-per-step / {world} processes x --num-generations"), load_tools(args.tools)
 
 
 # ---- plumbing: one text per name in all scripts
@@ -710,20 +748,105 @@ def answer_matches(text: str, answer) -> bool:
         return got == str(answer).strip()
 
 
+def call_end(tokenizer, row: list, stops: list) -> int:
+    """The length of the shortest start of `row` whose text holds a stop string (a tool's closing tag); 0: none."""
+    lo, hi = 1, len(row) + 1
+    while lo < hi:  # binary search: a start holds a stop string if a shorter one does
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if any(s in tokenizer.decode(row[:mid]) for s in stops) else (mid + 1, hi)
+    return lo if lo <= len(row) else 0
+
+
+def call_tool(tokenizer, text: str, tools: dict, args) -> tuple[list, bool]:
+    """A turn's text ending in </name> -> (the token ids of tools[name](what follows the last <name>) rendered by
+    --tool-result-template, whether it failed: an exception is shown to the model as 'error: ...')."""
+    name = re.search("</(" + "|".join(map(re.escape, tools)) + ")>", text).group(1)
+    before, opened, arguments = text[: text.index(f"</{name}>")].rpartition(f"<{name}>")
+    try:
+        if not opened:
+            raise ValueError(f"no <{name}> before </{name}>")
+        result, failed = str(tools[name](arguments)), False
+    except Exception as e:  # the model sees it, and may do better
+        result, failed = f"error: {e}", True
+    encode = lambda t: tokenizer(t, add_special_tokens=False, split_special_tokens=True).input_ids  # no EOS inside
+    if len(encode(result)) > args.max_tool_output:
+        result = tokenizer.decode(encode(result)[: args.max_tool_output]) + "...(cut)"
+    return encode(args.tool_result_template.replace("{}", result)), failed
+
+
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
+             ast.UAdd: operator.pos}
+
+
+def calculator(expression: str) -> str:
+    """Exact arithmetic (Fractions): + - * / // % ** and parentheses, parsed by ast, never eval'd; at most 200
+    characters and numbers of 1,000 digits."""
+    size = lambda q: max(abs(q.numerator), q.denominator).bit_length() / 3.322  # digits
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return Fraction(str(node.value))
+        if type(getattr(node, "op", None)) not in OPERATORS:
+            raise ValueError(f"not arithmetic: {ast.unparse(node)[:40]}")
+        xs = [value(getattr(node, k)) for k in ("left", "right", "operand") if hasattr(node, k)]
+        if isinstance(node.op, ast.Pow) and (xs[1].denominator != 1 or size(xs[0]) * abs(xs[1]) > 1000):
+            raise ValueError("not an integer power, or one of over 1,000 digits")
+        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and xs[1] == 0:
+            raise ValueError("division by zero")
+        if size(out := OPERATORS[type(node.op)](*xs)) > 1000:
+            raise ValueError("a number of over 1,000 digits")
+        return out
+    if len(expression) > 200:
+        raise ValueError("over 200 characters")
+    return str(value(ast.parse(expression.strip(), mode="eval").body))
+
+
+def load_tools(specs: tuple) -> dict:
+    """--tools: calculator, file.py:function, or tag=either -> {tag: function(arguments: str) -> str}."""
+    tools = {}
+    for spec in specs:
+        tag, _, where = spec.rpartition("=")
+        path, _, name = where.rpartition(":")
+        if where != "calculator" and not (path.endswith(".py") and Path(path).is_file()):
+            raise ValueError(f"--tools {spec}: " + (f"no file {path}" if path.endswith(".py") else "unknown tool") +
+                             "; use calculator, file.py:function or tag=either")
+        fn = calculator
+        if path:
+            spec_ = importlib.util.spec_from_file_location(Path(path).stem, path)
+            spec_.loader.exec_module(module := importlib.util.module_from_spec(spec_))
+            if not callable(fn := getattr(module, name, None)):
+                raise ValueError(f"--tools {spec}: {path} has no function {name!r}")
+        tag = tag or name
+        if not re.fullmatch(r"[A-Za-z_][\w.-]*", tag) or tag in tools:
+            raise ValueError(f"--tools {spec}: {tag!r} is {'taken' if tag in tools else 'not a tag name'}: name it "
+                             f"with <tag>={where} (letters, digits, _ . -)")
+        tools[tag] = fn
+    return tools
+
+
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens, eos_ids, progress, batch_size=128):
-    """Greedy decoding on left-padded batches -> (accuracy, [(prompt, completion, answer)])."""
-    model.eval()
-    samples = []
+def greedy_turns(model, tokenizer, prompts, answers, eos_ids, tools: dict, args, progress, batch_size=128):
+    """Greedy decoding through turns(), as training samples -> (eval metrics, [(prompt, completion, answer)]);
+    --tools: calls per completion, the shares of completions with a call and of calls that failed, tool tokens per
+    completion, accuracy with and without a call."""
+    config, samples, outs = GenerationConfig(do_sample=False, temperature=1.0, eos_token_id=eos_ids), [], []
     for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
         batch = prompts[i : i + batch_size]
-        enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-        out = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
-        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-        samples += zip(batch, texts, answers[i : i + batch_size])
-    model.train()
-    return sum(answer_matches(t, a) for _, t, a in samples) / max(1, len(prompts)), samples
+        ids = tokenizer(batch, add_special_tokens=False).input_ids
+        outs.append(turns(model, tokenizer, ids, config, "shared", eos_ids, tools, args))
+        samples += zip(batch, tokenizer.batch_decode(outs[-1]["completion_ids"], skip_special_tokens=True),
+                       answers[i : i + batch_size])
+    if not samples:
+        return {}, []
+    right = torch.tensor([answer_matches(t, a) for _, t, a in samples]).float()
+    calls, errors, tokens = (torch.cat([o[k].sum(-1) if k == "tool_mask" else o[k] for o in outs]).cpu().float()
+                             for k in ("tool_calls", "tool_errors", "tool_mask"))
+    return {"eval/accuracy": float(right.mean()), **({} if not tools else {
+        "eval/tool_calls": float(calls.mean()), "eval/call_rate": float((calls > 0).float().mean()),
+        "eval/tool_errors": float(errors.sum() / calls.sum().clamp(min=1)), "eval/tool_tokens": float(tokens.mean()),
+        **{f"eval/accuracy_{k}_call": float(right[m].mean()) for k, m in (("with", calls > 0), ("without", calls == 0))
+           if m.any()}})}, samples
 
 
 def lm_head(model, dtype: torch.dtype) -> dict:
@@ -751,12 +874,12 @@ class SampledLogprobs:
         return scores
 
 
-def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
+def sample(model, ids, mask, gen_config, backend: str = "shared", **extra) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts -> completions [B, Tc] (padded after EOS), their sampled log-probs. shared: equal rows
-    prefilled once; else a static KV cache."""
+    prefilled once; else a static KV cache. extra: generate's keywords."""
     training = model.training
     model.eval()  # (training mode: gradient checkpointing, no KV cache)
-    seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
+    seen, precision = SampledLogprobs(gen_config.temperature), contextlib.nullcontext()
     if backend != "shared":  # a static cache holds one dtype; bf16 autocast makes keys float32 (RoPE), values bf16
         gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
         precision = torch.autocast(ids.device.type, enabled=False)

@@ -876,12 +876,12 @@ class SampledLogprobs:
         return scores
 
 
-def sample(model, ids, mask, gen_config, backend: str = "shared") -> tuple[torch.Tensor, torch.Tensor]:
+def sample(model, ids, mask, gen_config, backend: str = "shared", **extra) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts -> completions [B, Tc] (padded after EOS), their sampled log-probs. shared: equal rows
-    prefilled once; else a static KV cache."""
+    prefilled once; else a static KV cache. extra: generate's keywords."""
     training = model.training
     model.eval()  # (training mode: gradient checkpointing, no KV cache)
-    seen, extra, precision = SampledLogprobs(gen_config.temperature), {}, contextlib.nullcontext()
+    seen, precision = SampledLogprobs(gen_config.temperature), contextlib.nullcontext()
     if backend != "shared":  # a static cache holds one dtype; bf16 autocast makes keys float32 (RoPE), values bf16
         gen_config = type(gen_config).from_dict({**gen_config.to_dict(), "cache_implementation": "static"})
         precision = torch.autocast(ids.device.type, enabled=False)

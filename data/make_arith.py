@@ -22,8 +22,14 @@ an off-by-one column) and so ends at a wrong answer. `prefs_test.jsonl`: pairs m
 the test prompts (held out: no prompt of train), for `eval/pref_accuracy` in dpo.py and
 reward_model.py. `sft_noisy.jsonl`: the SFT rows with a slip in 40% of them (their completion, and
 `answer`, still the true answer), so that demonstrations teach some wrong arithmetic that rewards must
-correct (hybrid.py's ablation). The extra files draw from their own random streams, so the four
-original files are unchanged. Output is byte-identical for a given seed.
+correct (hybrid.py's ablation). `sft_tools.jsonl`: grpo.py --tools' cold start, the SFT rows with 30% of
+them calling the calculator instead of working the columns, 40% of those with one miscopied digit in the
+call (their answer is then the wrong result; the column `answer` stays true):
+
+    <think><calculator>347+589</calculator><result>936</result></think><answer>936</answer>
+
+The extra files draw from their own random streams, so the four original files are unchanged. Output is
+byte-identical for a given seed.
 
 `verify.jsonl` / `verify_test.jsonl` (19,000 / 1,000 rows; the held-out rows on the last 5% of the train problems,
 none a test problem): data for a judge (rewards.py's `judge`, docs/judge.md). Each row has a problem (`prompt`), a
@@ -50,6 +56,7 @@ NOISY_FRACTION = 0.4  # share of sft_noisy.jsonl rows whose trace has one slip
 # verify*.jsonl: the judge's input (data/rewards/judge_arith.json's template), the share of each kind of candidate
 JUDGE_TEMPLATE = "{prompt}{completion}ref:{answer},ok?"
 VERDICT_KINDS = {"correct": 0.5, "slip": 0.2, "truncated": 0.1, "nonsense": 0.1, "no_work": 0.1}
+TOOL_FRACTION, MISCOPY_FRACTION = 0.3, 0.4  # sft_tools.jsonl: rows that call, calls with a miscopied digit
 
 
 def sample_problem(rng: random.Random, max_digits: int) -> tuple[int, str, int]:
@@ -95,6 +102,18 @@ def column_trace(a: int, op: str, b: int, slip: int | None = None) -> tuple[list
 
 def completion(steps: list[str], answer: str) -> str:
     return f"{THINK}{','.join(steps)}{END_THINK}{ANSWER}{answer}{END_ANSWER}"
+
+
+def tool_completion(a: int, op: str, b: int, rng: random.Random, miscopy: bool) -> str:
+    """A calculator call and its result as the trace; `miscopy`: one digit of one operand copied wrong."""
+    if miscopy:
+        which = rng.randrange(2)
+        text = str((a, b)[which])
+        i = rng.randrange(len(text))
+        digit = rng.choice([d for d in "0123456789"[1 if i == 0 and len(text) > 1 else 0:] if d != text[i]])
+        a, b = [int(text[:i] + digit + text[i + 1:]) if k == which else x for k, x in enumerate((a, b))]
+    value = str(a + b if op == "+" else a - b)
+    return f"{THINK}<calculator>{a}{op}{b}</calculator><result>{value}</result>{END_THINK}{ANSWER}{value}{END_ANSWER}"
 
 
 def candidate(a: int, op: str, b: int, kind: str, rng: random.Random) -> str:
@@ -200,12 +219,19 @@ def main(out: Path, seed: int, n_train: int, n_test: int, n_prefs: int, max_digi
             r = {**r, "completion": completion(*column_trace(*p, slip=noisy_rng.randrange(len(steps))))}
         noisy.append(r)
     write_jsonl(out / "sft_noisy.jsonl", noisy)
+    tool_rng, tools = random.Random(seed + 3), []
+    for r, p in zip(sft, train):
+        if tool_rng.random() < TOOL_FRACTION:
+            r = {**r, "completion": tool_completion(*p, tool_rng, tool_rng.random() < MISCOPY_FRACTION)}
+        tools.append(r)
+    write_jsonl(out / "sft_tools.jsonl", tools)
     verify_rng, held = random.Random(seed + 4), len(train) // 20
     verify, verify_test = verification_rows(train[:-held], verify_rng), verification_rows(train[-held:], verify_rng)
     write_jsonl(out / "verify.jsonl", verify)
     write_jsonl(out / "verify_test.jsonl", verify_test)
     build_tokenizer().save_pretrained(out / "tokenizer")
-    print(f"wrote {len(train)} train, {len(test)} test, {len(sft)} sft ({len(noisy)} noisy), {len(prefs)} prefs, "
+    print(f"wrote {len(train)} train, {len(test)} test, {len(sft)} sft ({len(noisy)} noisy, {len(tools)} tools), "
+          f"{len(prefs)} prefs, "
           f"{len(prefs_test)} held-out prefs, {len(verify)} + {len(verify_test)} verify rows to {out}")
 
 

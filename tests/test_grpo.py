@@ -3,6 +3,7 @@ log-probs against `generate`'s own logits, dynamic sampling, runs, resume, learn
 import copy
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,12 @@ def tiny_args(tiny, tmp_path, **kw) -> grpo.Args:
     return replace(base, **kw)
 
 
+def eos_mask(ids: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] -> (1 up to the first EOS included, [B] no EOS)."""
+    is_eos = (ids == eos).long()
+    return ((is_eos.cumsum(1) - is_eos) == 0).float(), is_eos.sum(1) == 0
+
+
 # ----------------------------------------------------------------------------- pure functions
 
 
@@ -53,13 +60,6 @@ def test_group_advantages_against_float64_reference(scale):
     assert adv[1].eq(0).all() and adv[3].eq(0).all()  # zero-variance groups: exactly 0, never NaN
     if scale == "group":  # by hand: mean 0.4, deviations .8 -.7 -.9 .8, unbiased variance 2.58 / 3
         assert adv[0, 0].item() == pytest.approx(0.8 / (math.sqrt(2.58 / 3) + 1e-4), rel=1e-6)
-
-
-def test_completion_mask_stops_at_the_first_eos_and_flags_truncation():
-    ids = torch.tensor([[5, 1, 7, 1], [5, 6, 7, 8], [1, 0, 0, 0], [4, 2, 9, 9]])
-    mask, truncated = grpo.completion_mask(ids, torch.tensor([1, 2]))  # two EOS ids, as chat models have
-    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
-    assert truncated.tolist() == [False, True, False, False]
 
 
 def test_length_sorted_micro_batches_trim_each_to_its_own_width():
@@ -287,7 +287,7 @@ def test_completion_logprobs_equal_generates_own_distribution(tiny, arch):
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, output_logits=True,
                          return_dict_in_generate=True)
     completion = out.sequences[:, ids.shape[1]:]
-    c_mask, _ = grpo.completion_mask(completion, torch.tensor([1]))
+    c_mask, _ = eos_mask(completion, 1)
     attention = torch.cat([mask, c_mask.long()], dim=1)
     with torch.no_grad():
         logp = grpo.completion_logprobs(model, out.sequences, attention, ids.shape[1], temperature=0.7)
@@ -374,7 +374,7 @@ def test_generation_backends_report_the_trainers_log_probs(embedded, backend):
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
         completion, sampler_logp = grpo.sample(model, ids, mask, config, backend)
-        c_mask, _ = grpo.completion_mask(completion, torch.tensor([tokenizer.eos_token_id]))
+        c_mask, _ = eos_mask(completion, tokenizer.eos_token_id)
         logp = grpo.completion_logprobs(model, torch.cat([ids, completion], 1), torch.cat([mask, c_mask.long()], 1),
                                         ids.shape[1], temperature=0.7)
     assert sampler_logp.shape == completion.shape and c_mask.sum() > len(ids)
@@ -709,6 +709,12 @@ def test_learning_on_the_embedded_task(tmp_path):
     ({"importance_sampling_cap": 0.5}, "must be >= 1, e.g. 2"),
     ({"fsdp": True}, "launch with torchrun --nproc-per-node N"),
     ({"top_entropy_quantile": 0.0}, "--top-entropy-quantile must be in (0, 1]"),
+    ({"tools": ("calculater",)}, "--tools calculater: unknown tool; use calculator, file.py:function or tag=either"),
+    ({"tools": ("tools.py:f",)}, "--tools tools.py:f: no file tools.py"),
+    ({"tools": ("my tool=calculator",)}, "'my tool' is not a tag name: name it with <tag>=calculator"),
+    ({"max_turns": 0}, "--max-turns must be positive, got 0"),
+    ({"max_tool_output": 0}, "--max-tool-output must be positive, got 0"),
+    ({"tool_result_template": "<result></result>"}, "--tool-result-template needs {} where the tool's output goes"),
 ])
 def test_bad_input_fails_before_any_work(tiny, tmp_path, overrides, message):
     with pytest.raises(ValueError) as e:
@@ -802,3 +808,183 @@ def test_variants_benchmark_runs_and_tabulates(tmp_path):
     assert set(rows) == {"grpo", "gspo"} and "--importance-sampling-level sequence" in rows["gspo"]
     assert plot.stat().st_size > 0
     assert len(list((tmp_path / "runs").glob("*__gspo__1__*/final/model.safetensors"))) == 1
+
+
+# ----------------------------------------------------------------------------- tools
+
+
+def test_calculator_is_exact_and_refuses_what_is_not_arithmetic():
+    assert [grpo.calculator(e) for e in ("347+589", " 2*21 ", "1/3+1/6", "-(3-5)**3", "7//2", "7%4", "0.1+0.2")] == [
+        "936", "42", "1/2", "8", "3", "3", "3/10"]
+    for expression, message in (("__import__('os').system('x')", "not arithmetic"), ("x+1", "not arithmetic"),
+                                ("9**9**9", "of over 1,000 digits"), ("2**0.5", "not an integer power"), ("10**500*10**501", "a number of over 1,000 digits"), ("1/(2-2)", "division by zero"),
+                                ("1" * 201, "over 200 characters"), ("1+", "invalid syntax")):
+        with pytest.raises((ValueError, SyntaxError), match=re.escape(message)):
+            grpo.calculator(expression)
+
+
+def test_load_tools_builds_each_and_names_the_fix_for_bad_ones(tmp_path):
+    (tmp_path / "mine.py").write_text("def search(q):\n    return q.upper()\nvalue = 3\n")
+    mine = str(tmp_path / "mine.py")
+    tools = grpo.load_tools(("calculator", f"{mine}:search", f"calc=calculator"))
+    assert list(tools) == ["calculator", "search", "calc"] and tools["search"]("ab") == "AB"
+    for spec, message in (("bogus", "--tools bogus: unknown tool; use calculator, file.py:function"),
+                          ("nope.py:f", "--tools nope.py:f: no file nope.py"),
+                          (f"{mine}:absent", "has no function 'absent'"), (f"{mine}:value", "has no function 'value'"),
+                          ("a b=calculator", "'a b' is not a tag name: name it with <tag>=calculator"),
+                          ("cal<c=calculator", "'cal<c' is not a tag name")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            grpo.load_tools((spec,))
+    with pytest.raises(ValueError, match="'calculator' is taken"):
+        grpo.load_tools(("calculator", "calculator"))
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    return AutoTokenizer.from_pretrained(ROOT / "data/arith/tokenizer")
+
+
+def test_call_tool_runs_the_last_call_shows_errors_and_cuts_long_output(char_tokenizer):
+    tok, args = char_tokenizer, grpo.Args(max_tool_output=8)
+    tools = {"calculator": grpo.calculator, "echo": lambda a: a, "boom": lambda a: 1 / 0}
+    decode = lambda ids: tok.decode(ids)
+    ids, failed = grpo.call_tool(tok, "<think><calculator>1+1</calculator><calculator>2*21</calculator>", tools, args)
+    assert decode(ids) == "<result>2</result>" and not failed  # the first closing tag ends the turn: 1+1
+    ids, failed = grpo.call_tool(tok, "<think>x<calculator>2*21</calculator>", tools, args)
+    assert decode(ids) == "<result>42</result>" and not failed
+    ids, failed = grpo.call_tool(tok, "<boom>x</boom>", tools, args)
+    assert decode(ids) == "<result>error: division by zero</result>"[:8] + "error: d...(cut)</result>" and failed
+    ids, failed = grpo.call_tool(tok, "2*21</calculator>", tools, replace(args, max_tool_output=99))
+    assert decode(ids) == "<result>error: no <calculator> before </calculator></result>" and failed
+    ids, failed = grpo.call_tool(tok, "<echo>ab<|endoftext|></echo>", tools, replace(args, max_tool_output=99))
+    assert decode(ids) == "<result>ab<|endoftext|></result>" and tok.eos_token_id not in ids  # text, never an EOS
+    ids, _ = grpo.call_tool(tok, "<echo>7</echo>", tools, replace(args, tool_result_template="\n[{}]"))
+    assert decode(ids) == "\n[7]"
+
+
+def masked_loss(logp, old_logp, ref_logp, mask, loss_type="grpo", level="token", beta=0.04, fused=False):
+    args = SimpleNamespace(importance_sampling_level=level, loss_type=loss_type, delta=None, clip_low=0.2,
+                           clip_high=0.2, beta=beta, kl_estimator="k3", prompts_per_step=1,
+                           num_generations=len(logp), max_completion_length=logp.shape[1])
+    advantages = torch.tensor([[1.0], [-0.5], [2.0]])[: len(logp)]
+    if fused:
+        per_token, kl, _ = clipped_policy_loss(logp, old_logp, advantages, ref_logp=ref_logp, clip_low=0.2,
+                                               clip_high=0.2, beta=beta, kl_estimator="k3")
+    else:
+        per_token, kl, _ = grpo.policy_loss(logp, old_logp, advantages, mask, ref_logp, args)
+    return grpo.aggregate_loss(per_token, mask, args, int(mask.sum()), int(mask.sum()), 1), (kl * mask).sum()
+
+
+@pytest.mark.parametrize("loss_type,level,fused", [("grpo", "token", False), ("dapo", "token", False),
+                                                   ("dr_grpo", "token", False), ("bnpo", "sequence", False),
+                                                   ("cispo", "token", False), ("grpo", "token", True)])
+def test_tool_tokens_are_in_no_loss_term(loss_type, level, fused):
+    """The loss mask (model tokens up to EOS, no tool token), as main builds it: the gradient with respect to a tool
+    token's logits is exactly 0, and changing a tool token's log-prob (policy, old or reference) changes neither the
+    loss nor the KL; the fused kernel's per-token loss under the same mask too."""
+    torch.manual_seed(0)
+    completion_mask = torch.tensor([[1.0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    tool_mask = torch.tensor([[0, 1, 1, 0, 0, 0], [0, 0, 1, 0, 0, 0], [1, 1, 0, 1, 1, 0]], dtype=torch.bool)
+    mask = completion_mask * ~tool_mask
+    logits = torch.randn(3, 6, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 6))
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    old, ref = logp.detach() + 0.1 * torch.randn(3, 6), logp.detach() + 0.3 * torch.randn(3, 6)
+    loss, kl = masked_loss(logp, old, ref, mask, loss_type, level, fused=fused)
+    loss.backward()
+    per_position = logits.grad.abs().sum(-1)
+    assert (per_position[tool_mask] == 0).all() and (per_position[mask > 0] > 0).all()
+    moved = torch.where(tool_mask, -30.0, 0.0)  # a tool token the policy finds very unlikely
+    for changed in ((logp.detach() + moved, old, ref), (logp.detach(), old + moved, ref), (logp.detach(), old, ref + moved)):
+        again, kl_again = masked_loss(*changed, mask, loss_type, level, fused=fused)
+        assert again.item() == loss.item() and kl_again.item() == kl.item()
+
+
+def tool_file(tmp_path, body: str) -> str:
+    (tmp_path / "toolbox.py").write_text(f"def tool(arguments):\n    return {body}\n")
+    return str(tmp_path / "toolbox.py")
+
+
+@pytest.mark.parametrize("result,template", [("'7'", "<result>{}</result>"), ("''", "{}")])
+def test_turns_keep_the_sampled_tokens_and_the_trainer_agrees_with_the_sampler(embedded, tmp_path, result, template):
+    """models/tiny-arith ends its trace with </think>: a tool tagged `think` makes that a call. The completion is the
+    sampled ids, then the tool's tokens (tool_mask marks exactly those), then what the model sampled after them; the
+    trainer's log-probs over the whole row equal the sampler's at every model token, as in a single-turn run (a tool
+    that returns nothing leaves the row exactly the model's tokens)."""
+    model, tokenizer = embedded
+    tools = grpo.load_tools((f"think={tool_file(tmp_path, result)}:tool",))
+    args = grpo.Args(max_completion_length=48, max_turns=2, tool_result_template=template)  # one call: turn 2 is the last
+    prompts = [tokenizer(r, add_special_tokens=False).input_ids for r in ("12+34=", "905-528=", "7-3=")]
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, eos_token_id=[tokenizer.eos_token_id],
+                              pad_token_id=tokenizer.pad_token_id)
+    gaps = {}
+    for name, toolset in (("tools", tools), ("single", {})):
+        torch.manual_seed(0)
+        out = grpo.turns(model, tokenizer, [p for p in prompts for _ in range(4)], config, "shared",
+                         [tokenizer.eos_token_id], toolset, args)
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        attention = torch.cat([out["prompt_mask"], out["completion_mask"].long()], 1)
+        with torch.no_grad():
+            logp = grpo.completion_logprobs(model, ids, attention, out["prompt_ids"].shape[1], temperature=0.7)
+        loss_mask = out["completion_mask"] * ~out["tool_mask"]
+        gaps[name] = float(((logp - out["sampler_logp"]).abs() * loss_mask).max())
+        texts = tokenizer.batch_decode(out["completion_ids"], skip_special_tokens=True)
+        if name == "tools":
+            assert (out["tool_calls"] == 1).all() and (out["tool_errors"] == 0).all()
+            want = len(tokenizer(template.replace("{}", eval(result)), add_special_tokens=False).input_ids)
+            assert out["tool_mask"].sum(1).tolist() == [want] * 12
+            assert all(f"</think>{template.replace('{}', eval(result))}" in t for t in texts)
+            for row, tool_row in zip(out["completion_ids"], out["tool_mask"]):  # the tool's tokens follow </think>
+                first = int(tool_row.float().argmax()) if tool_row.any() else int((row == 4).float().argmax()) + 1
+                assert row[first - 1] == tokenizer.convert_tokens_to_ids("</think>")
+    assert gaps["tools"] < 1e-4 and gaps["single"] < 1e-4
+
+
+def test_correctness_in_a_tool_run_reads_only_the_answer_tag():
+    """The tool's result holds the right number; only the <answer> tag counts (no last-number fallback)."""
+    from rewards import make_reward
+
+    completions = ["<think><calculator>2*21</calculator><result>42</result></think>", "<answer>42</answer>"]
+    plain, tool_run = make_reward("correctness"), make_reward("correctness", {"correctness": {"tagged_only": True}})
+    assert plain(completions, prompts=["", ""], answer=["42", "42"]) == [1.0, 1.0]
+    assert tool_run(completions, prompts=["", ""], answer=["42", "42"]) == [-0.5, 1.0]
+    spec = {"type": "correctness", "tagged_only": False}  # the spec's own option wins
+    assert make_reward(spec, {"correctness": {"tagged_only": True}})(completions, prompts=["", ""],
+                                                                      answer=["42", "42"]) == [1.0, 1.0]
+
+
+def tool_args(tmp_path, tiny, **kw) -> grpo.Args:
+    """models/tiny-arith on the tiny task with a tool tagged `think` (its </think> is a call)."""
+    tool = f"think={tool_file(tmp_path, repr('<answer>') + ' + arguments[-2:]')}:tool"
+    return tiny_args(tiny, tmp_path / "runs", model_name_or_path=str(ROOT / "models/tiny-arith"), tools=(tool,),
+                     reward="correctness:1.0,format:0.2", max_completion_length=40, eval_limit=8, **kw)
+
+
+def test_a_tool_run_logs_its_tools_and_resumes_exactly(tiny, tmp_path):
+    out = grpo.main(tool_args(tmp_path, tiny, total_steps=3, save_every=1))
+    run = Path(out["run_dir"])
+    rows = train_rows(run)
+    assert all(r["train/tool_calls"] > 0.5 and r["train/tool_tokens"] > 1 and r["train/sampler_gap"] < 1e-4
+               for r in rows)
+    evals = [r for r in read_metrics(run) if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3] and all(0.5 < r["eval/call_rate"] <= 1 for r in evals)
+    assert {"eval/tool_calls", "eval/tool_errors", "eval/tool_tokens", "eval/accuracy_with_call"} <= evals[0].keys()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(run) if r["step"] <= 1))
+    grpo.main(replace(grpo.Args(), resume=str(run / "checkpoints" / "step_1")))
+    assert train_rows(run)[1:] == rows[1:] or all(
+        a[k] == pytest.approx(b[k], rel=1e-6) for a, b in zip(train_rows(run)[1:], rows[1:], strict=True)
+        for k in a if k.startswith(("train/", "rewards/")))
+
+
+def test_a_tool_run_under_torchrun(tiny, tmp_path):
+    """2 gloo processes, each with its own rows and turns, one checkpoint."""
+    from conftest import run_torchrun
+
+    args = tool_args(tmp_path, tiny, total_steps=2, prompts_per_step=4, eval_split=None)
+    out = run_torchrun("grpo.py", "--model-name-or-path", args.model_name_or_path, "--dataset", args.dataset,
+                       "--tools", args.tools[0], "--output-dir", str(tmp_path / "tr"), "--total-steps", "2",
+                       "--prompts-per-step", "4", "--num-generations", "4", "--max-completion-length", "40",
+                       "--eval-split", "None", "--warmup-steps", "0")
+    assert "2 processes, DDP" in out
+    (run,) = (tmp_path / "tr").iterdir()
+    assert [r["train/tool_calls"] > 0.5 for r in train_rows(run)] == [True, True]

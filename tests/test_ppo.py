@@ -30,6 +30,13 @@ def tiny_args(tiny, tmp_path, **kw) -> ppo.Args:
 
 # ----------------------------------------------------------------------------- pure functions
 
+
+def test_completion_mask_stops_at_the_first_eos_and_flags_truncation():
+    ids = torch.tensor([[5, 1, 7, 1], [5, 6, 7, 8], [1, 0, 0, 0], [4, 2, 9, 9]])
+    mask, truncated = ppo.completion_mask(ids, torch.tensor([1, 2]))  # two EOS ids, as chat models have
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
+    assert truncated.tolist() == [False, True, False, False]
+
 # Three completions of lengths 3, 1 and 4 (T = 4); the 9s sit on padding and must change nothing.
 MASK = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
 REWARDS = torch.tensor([[0.1, -0.2, 1.0, 9], [0.7, 9, 9, 9], [0.0, 0.3, -0.1, 2.0]])
