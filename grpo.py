@@ -5,8 +5,8 @@ std(r) over its group (Sec. 4.1.2), maximise the clipped surrogate minus beta KL
 Variants (equations: `policy_loss`): Dr.GRPO (arXiv:2503.20783) `--scale-rewards none --loss-type dr_grpo`; DAPO
 (arXiv:2503.14476) `--clip-high 0.28 --dynamic-sampling --mask-truncated-completions --loss-type dapo`; GSPO
 (arXiv:2507.18071) `--importance-sampling-level sequence`; CISPO (arXiv:2506.13585) `--loss-type cispo`; RLOO
-`--baseline rloo`; high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`. Tools `--tools calculator`:
-the model writes <calculator>2*21</calculator>, the result joins the context, no loss term counts its tokens.
+`--baseline rloo`; high-entropy tokens only (arXiv:2506.01939) `--top-entropy-quantile 0.2`. Tool calls `--tools
+calculator`: the model writes <calculator>2*21</calculator>, the result joins the context, no loss term sees it.
 
     python grpo.py  # models/tiny-arith on data/arith, CPU
     python grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --use-chat-template --dataset my/hub-dataset \
@@ -416,8 +416,8 @@ def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, 
     t1 = time.perf_counter()
     completions = tokenizer.batch_decode(out["completion_ids"], skip_special_tokens=True)
     trace = reward.trace(completions, **{name: [v[i] for i in rows] for name, v in data["columns"].items()},
-                         completion_ids=[c[: int(m.sum())] for c, m in zip(out["completion_ids"].tolist(),
-                                                                           out["completion_mask"])])
+                         completion_ids=[c[: int(n)] for c, n in zip(out["completion_ids"].tolist(),
+                                                                     out["completion_mask"].sum(1))])
     timing["generate"] += t1 - t0
     timing["score"] += time.perf_counter() - t1
     return {**out, "rewards": {k: torch.tensor(v, dtype=torch.float32) for k, v in trace.items()},
@@ -426,8 +426,8 @@ def rollout(model, tokenizer, data: dict, rows: list, gen_config, backend: str, 
 
 def turns(model, tokenizer, prompts: list, gen_config, backend: str, eos_ids, tools: dict, args) -> dict:
     """Prompt ids -> the rollout's tensors, sampled turn by turn: each open row until EOS, a tool's closing tag or
-    --max-completion-length (model and tool tokens); the tools of rows that stopped at a call run, the result's
-    tokens join the row (tool_mask: True) and it goes on. Sampled ids stay as sampled: never decoded, encoded."""
+    --max-completion-length (model and tool tokens); rows that stopped at a call run it, its result's tokens join
+    the row (tool_mask: True), it goes on. Sampled ids stay as sampled, never decoded and encoded again."""
     n, budget, stops = len(prompts), args.max_completion_length, [f"</{t}>" for t in tools]
     (ids, logp, is_tool), calls, errors = ([[] for _ in range(n)] for _ in range(3)), [0] * n, [0] * n
     live = list(range(n))
@@ -749,12 +749,12 @@ def answer_matches(text: str, answer) -> bool:
 
 
 def call_end(tokenizer, row: list, stops: list) -> int:
-    """The length of the shortest start of `row` whose text holds a stop string (a tool's closing tag); 0: none."""
+    """The length of the shortest start of `row` whose text holds a tool's closing tag (binary search); 0: none."""
     lo, hi = 1, len(row) + 1
-    while lo < hi:  # binary search: a start holds a stop string if a shorter one does
+    while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if any(s in tokenizer.decode(row[:mid]) for s in stops) else (mid + 1, hi)
-    return lo if lo <= len(row) else 0
+    return lo % (len(row) + 1)
 
 
 def call_tool(tokenizer, text: str, tools: dict, args) -> tuple[list, bool]:
@@ -775,13 +775,12 @@ def call_tool(tokenizer, text: str, tools: dict, args) -> tuple[list, bool]:
 
 
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
-             ast.UAdd: operator.pos}
+             ast.Pow: operator.pow, ast.USub: operator.neg}
 
 
 def calculator(expression: str) -> str:
-    """Exact arithmetic (Fractions): + - * / // % ** and parentheses, parsed by ast, never eval'd; at most 200
-    characters and numbers of 1,000 digits."""
+    """Exact arithmetic (Fractions): + - * / ** and parentheses, parsed by ast, never eval'd; at most 200 characters
+    and numbers of 1,000 digits."""
     size = lambda q: max(abs(q.numerator), q.denominator).bit_length() / 3.322  # digits
 
     def value(node):
@@ -792,7 +791,7 @@ def calculator(expression: str) -> str:
         xs = [value(getattr(node, k)) for k in ("left", "right", "operand") if hasattr(node, k)]
         if isinstance(node.op, ast.Pow) and (xs[1].denominator != 1 or size(xs[0]) * abs(xs[1]) > 1000):
             raise ValueError("not an integer power, or one of over 1,000 digits")
-        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and xs[1] == 0:
+        if isinstance(node.op, ast.Div) and xs[1] == 0:
             raise ValueError("division by zero")
         if size(out := OPERATORS[type(node.op)](*xs)) > 1000:
             raise ValueError("a number of over 1,000 digits")
@@ -809,32 +808,31 @@ def load_tools(specs: tuple) -> dict:
         tag, _, where = spec.rpartition("=")
         path, _, name = where.rpartition(":")
         if where != "calculator" and not (path.endswith(".py") and Path(path).is_file()):
-            raise ValueError(f"--tools {spec}: " + (f"no file {path}" if path.endswith(".py") else "unknown tool") +
-                             "; use calculator, file.py:function or tag=either")
+            raise ValueError(f"--tools {spec}: {f'no file {path}' if path.endswith('.py') else 'unknown tool'}; use "
+                             "calculator, file.py:function or tag=either")
         fn = calculator
         if path:
-            spec_ = importlib.util.spec_from_file_location(Path(path).stem, path)
-            spec_.loader.exec_module(module := importlib.util.module_from_spec(spec_))
+            found = importlib.util.spec_from_file_location(Path(path).stem, path)
+            found.loader.exec_module(module := importlib.util.module_from_spec(found))
             if not callable(fn := getattr(module, name, None)):
                 raise ValueError(f"--tools {spec}: {path} has no function {name!r}")
         tag = tag or name
         if not re.fullmatch(r"[A-Za-z_][\w.-]*", tag) or tag in tools:
             raise ValueError(f"--tools {spec}: {tag!r} is {'taken' if tag in tools else 'not a tag name'}: name it "
-                             f"with <tag>={where} (letters, digits, _ . -)")
+                             f"with <tag>={where}")
         tools[tag] = fn
     return tools
 
 
 @torch.no_grad()
 def greedy_turns(model, tokenizer, prompts, answers, eos_ids, tools: dict, args, progress, batch_size=128):
-    """Greedy decoding through turns(), as training samples -> (eval metrics, [(prompt, completion, answer)]);
-    --tools: calls per completion, the shares of completions with a call and of calls that failed, tool tokens per
-    completion, accuracy with and without a call."""
+    """Greedy decoding through turns(), as training samples -> (eval metrics, [(prompt, completion, answer)]); tools:
+    calls and tool tokens per completion, shares of completions with a call and of failed calls, accuracy by call."""
     config, samples, outs = GenerationConfig(do_sample=False, temperature=1.0, eos_token_id=eos_ids), [], []
     for i in tqdm(range(0, len(prompts), batch_size), desc="eval", leave=False, disable=not progress):
         batch = prompts[i : i + batch_size]
-        ids = tokenizer(batch, add_special_tokens=False).input_ids
-        outs.append(turns(model, tokenizer, ids, config, "shared", eos_ids, tools, args))
+        outs.append(turns(model, tokenizer, tokenizer(batch, add_special_tokens=False).input_ids, config, "shared",
+                          eos_ids, tools, args))
         samples += zip(batch, tokenizer.batch_decode(outs[-1]["completion_ids"], skip_special_tokens=True),
                        answers[i : i + batch_size])
     if not samples:
@@ -876,7 +874,7 @@ class SampledLogprobs:
 
 def sample(model, ids, mask, gen_config, backend: str = "shared", **extra) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts -> completions [B, Tc] (padded after EOS), their sampled log-probs. shared: equal rows
-    prefilled once; else a static KV cache. extra: generate's keywords."""
+    prefilled once; else a static KV cache."""
     training = model.training
     model.eval()  # (training mode: gradient checkpointing, no KV cache)
     seen, precision = SampledLogprobs(gen_config.temperature), contextlib.nullcontext()

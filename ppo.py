@@ -878,7 +878,7 @@ class SampledLogprobs:
 
 def sample(model, ids, mask, gen_config, backend: str = "shared", **extra) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts -> completions [B, Tc] (padded after EOS), their sampled log-probs. shared: equal rows
-    prefilled once; else a static KV cache. extra: generate's keywords."""
+    prefilled once; else a static KV cache."""
     training = model.training
     model.eval()  # (training mode: gradient checkpointing, no KV cache)
     seen, precision = SampledLogprobs(gen_config.temperature), contextlib.nullcontext()
