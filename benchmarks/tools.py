@@ -1,12 +1,13 @@
 """The tool recipe of docs/grpo.md end to end: an SFT cold start that sometimes calls the calculator, then GRPO with
 the calculator, over seeds; prints the table of docs/grpo.md#tool-calls and (--plot) draws accuracy and call rate.
 
-    python benchmarks/tools.py                          # cold start once, then seeds 1 2 3, one run at a time
+    python benchmarks/tools.py                          # seeds 1 2 3 from models/tiny-arith-tools, one at a time
     python benchmarks/tools.py --seeds 1 --threads 1    # one seed on one thread
     python benchmarks/tools.py --summarize-only --plot docs/grpo_tools.png
 
-The cold start is COLD_START (sft.py from a fresh model on data/arith/sft_tools.jsonl), the GRPO runs are RECIPE plus
-`--seed S --eval-every 10`: the commands of docs/grpo.md. A finished run (its final/ exists) is not run again.
+The cold start (models/tiny-arith-tools, made by COLD_START: sft.py from a fresh model on data/arith/sft_tools.jsonl,
+when --cold-start is missing) and the GRPO runs (RECIPE plus
+`--seed S --eval-every 10`) are the commands of docs/grpo.md. A finished run (its final/ exists) is not run again.
 Columns: greedy accuracy on the 500 test problems at the start and the end; the share of completions with a call,
 of calls whose expression is the problem's exactly (read from the end model's greedy completions) and of calls that
 failed; the training seconds (the sum of the steps, evaluations excluded) to the first evaluation at or above 90%
@@ -38,8 +39,10 @@ class Args:
     """GRPO seeds (the cold start is made once, seed 1)"""
     threads: int = 2
     """OMP_NUM_THREADS of each run"""
+    cold_start: str = str(ROOT / "models" / "tiny-arith-tools")
+    """the cold-start model (made by COLD_START when missing)"""
     output_dir: str = str(ROOT / "runs" / "tools")
-    """where the cold start and the runs go"""
+    """where the runs go"""
     summarize_only: bool = False
     """only print the table of the runs there"""
     plot: str = ""
@@ -95,7 +98,7 @@ def summarize(out: Path, seeds) -> None:
 
 def main(a: Args) -> None:
     out = Path(a.output_dir)
-    cold = out / "cold_start"
+    cold = Path(a.cold_start)
     if not a.summarize_only:
         if not (cold / "config.json").exists():
             run([*COLD_START, "--final-dir", str(cold), "--output-dir", str(out / "sft")], a.threads)
