@@ -1082,6 +1082,7 @@ def choice_token_ids(tokenizer, choices) -> list[int]:
     if not isinstance(choices, dict) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"option choices must map at least two verdicts to values, e.g. {JUDGE_CHOICES}, "
                          f"got {choices!r}")
+
     def one_token(text: str) -> bool:
         pieces = tokenizer(text, add_special_tokens=False).input_ids
         return len(pieces) == 1 and pieces[0] != tokenizer.unk_token_id
@@ -1090,7 +1091,7 @@ def choice_token_ids(tokenizer, choices) -> list[int]:
     for choice, value in choices.items():
         _number(f"choices[{choice!r}]", value)
         pieces = tokenizer(choice, add_special_tokens=False).input_ids
-        if not one_token(choice):
+        if len(pieces) != 1 or pieces[0] == tokenizer.unk_token_id:
             word = choice.strip() or choice
             spellings = dict.fromkeys([word, " " + word, word.capitalize(), " " + word.capitalize(), word.upper(),
                                        word[0], word[0].upper()])
