@@ -440,14 +440,16 @@ def turns(model, tokenizer, prompts: list, gen_config, backend: str, eos_ids, to
         for r, row, row_logp in zip(live, new.tolist(), new_logp.tolist()):
             row = row[: budget - len(ids[r])]
             end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-            end = call_end(tokenizer, row[:end], stops) or -end if tools else -end  # > 0: a call ends the turn there
+            end = call_end(tokenizer, row[:end], stops) or -end if tools else -end  # > 0: a call ends there
             ids[r] += row[: abs(end)]
             logp[r] += row_logp[: abs(end)]
             is_tool[r] += [False] * abs(end)
             if end > 0 and turn < args.max_turns - 1:
                 result, failed = call_tool(tokenizer, tokenizer.decode(row[:end]), tools, args)
                 result = result[: budget - len(ids[r])]
-                ids[r], logp[r], is_tool[r] = ids[r] + result, logp[r] + [0.0] * len(result), is_tool[r] + [True] * len(result)
+                ids[r] += result
+                logp[r] += [0.0] * len(result)
+                is_tool[r] += [True] * len(result)
                 calls[r], errors[r] = calls[r] + 1, errors[r] + failed
                 going += [r] * (len(ids[r]) < budget)
         if not (live := going):
@@ -779,8 +781,8 @@ OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mu
 
 
 def calculator(expression: str) -> str:
-    """Exact arithmetic (Fractions): + - * / ** and parentheses, parsed by ast, never eval'd; at most 200 characters
-    and numbers of 1,000 digits."""
+    """Exact arithmetic (Fractions): + - * / ** and parentheses, parsed by ast (no eval); up to 200 characters and
+    numbers of 1,000 digits."""
     size = lambda q: max(abs(q.numerator), q.denominator).bit_length() / 3.322  # digits
 
     def value(node):
