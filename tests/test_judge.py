@@ -86,7 +86,7 @@ def test_judge_through_reward_flag(tiny, tmp_path, script):
 
 
 @pytest.mark.parametrize("judge, message", [
-    ({"model": "runs/no-judge"}, r"model path 'runs/no-judge' does not exist"),
+    ({"model": "./runs/no-judge"}, r"model path '\./runs/no-judge' does not exist"),  # (runs/x: a hub id if no runs/)
     ({"choices": {" yes": 1, " no": 0}}, r"choice ' yes' is \d tokens of the judge's tokenizer"),
     ({"template": "{prompt}ref:{answer}?"}, r"option template has no \{completion\}"),
 ])
