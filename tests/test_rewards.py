@@ -405,7 +405,10 @@ def test_required_columns(spec, columns):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "data" / "rewards").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_specs_build_and_score(path):
-    reward = make_reward(str(path))
+    """judge_arith.json names the judge that docs/judge.md's recipe makes (runs/judge-arith); models/tiny-arith, whose
+    tokenizer has the same single-token verdicts, stands in for it."""
+    judge = json.dumps(str(ROOT / "models" / "tiny-arith"))
+    reward = make_reward(path.read_text().replace('"runs/judge-arith"', judge) if "judge" in path.name else str(path))
     columns = {"answer": ["936"], "target": ["936"], "completion_ids": [[1] * 20]}
     assert all(math.isfinite(v) for v in reward([ARITH], prompts=["347+589="], **columns))
 
