@@ -14,7 +14,7 @@ SCRIPTS = ["grpo", "ppo", "dpo", "hybrid", "reward_model", "sft", "capacity_ppo"
 # (file bytes, bytes above the `# ---- plumbing` line, lines of main()). A ratchet: lower a number when a change
 # makes the script smaller; never raise one. A feature that needs bytes takes them from elsewhere in the same file.
 BUDGETS = {
-    "grpo": (83_400, 41_132, 95),
+    "grpo": (83_388, 41_126, 95),
     "ppo": (83_065, 45_600, 120),
     "dpo": (67_222, 35_891, 100),
     "hybrid": (94_987, 57_522, 130),
