@@ -49,7 +49,7 @@ from datasets import Dataset, load_dataset
 from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
-from transformers import logging as hf_logging, set_seed
+from transformers import logging as hf_logging
 
 try:
     from kernels import linear_token_logprobs
@@ -928,7 +928,7 @@ class Run:
         cuda = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = args.fsdp, [], None  # trained: (root, optimizer)
-        set_seed(args.seed)
+        random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
         if not args.resume:  # rank 0's clock names the run
             stamp = torch.tensor([int(time.time())], device=self.device)
             if self.ddp:
@@ -1097,7 +1097,7 @@ class Run:
             print(f"resumed from step {self.start} of {args.total_steps} ({args.resume})" + "".join(
                 f"; --{k.replace('_', '-')} {new} (the run had {old})" for k, (old, new) in self.overrides.items()))
         elif self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes here first
+            self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
             (self.dir / "metrics.jsonl").touch()  # (a resume reads it)
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
@@ -1137,7 +1137,7 @@ class Run:
                        config=vars(args), dir=str(self.dir), resume="allow")
             self.wandb = wandb
         every = args.eval_every or args.total_steps + 1
-        if self.start < args.total_steps and self.start % every == 0 and not self.evaluated:  # (a resume: if cut)
+        if self.start < args.total_steps and self.start % every == 0 and not self.evaluated:
             self.evaluate(measure)
         for step in range(self.start + 1, args.total_steps + 1):
             if self.stopping(save):

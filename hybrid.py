@@ -45,9 +45,9 @@ import tyro
 from datasets import Dataset, load_dataset
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import (Adafactor, AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache,
-                          GenerationConfig, get_scheduler)
-from transformers import logging as hf_logging, set_seed
+import transformers
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import logging as hf_logging
 
 try:
     from kernels import clipped_policy_loss, linear_token_logprobs
@@ -760,7 +760,7 @@ def make_optimizer(name: str, param_groups: list[dict], args: Args) -> torch.opt
     family = next(w for w in name.split("_") if w != "paged")  # paged_adamw_8bit -> adamw
     kwargs = dict(weight_decay=args.weight_decay, **family_kwargs.get(family, dict(betas=betas, eps=eps)))
     if name == "adafactor":
-        return Adafactor(param_groups, **kwargs)
+        return transformers.Adafactor(param_groups, **kwargs)
     if name in TORCH_OPTIMIZERS:
         return getattr(torch.optim, CLASS_WORDS.get(name, name.capitalize()))(param_groups, **kwargs)
     if name not in BNB_OPTIMIZERS:
@@ -780,8 +780,8 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer, args: Args):
         name = {"poly": "polynomial", "none": "constant"}.get(name, name)
         warmup = args.warmup_steps or math.ceil(args.warmup_ratio * args.total_steps)
         extra = {"cosine_with_restarts": {"num_cycles": args.lr_num_cycles}, "polynomial": {"power": args.lr_power}}
-        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=args.total_steps,
-                             scheduler_specific_kwargs=extra.get(name))
+        return transformers.get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=args.total_steps,
+                                          scheduler_specific_kwargs=extra.get(name))
     peak = [g["lr"] for g in optimizer.param_groups]
     torch_schedulers = {
         "cosineannealing": ("CosineAnnealingLR", dict(T_max=args.total_steps)),
@@ -1387,7 +1387,7 @@ class Run:
         cuda = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(cuda if args.device == "auto" else args.device)
         self.fsdp, self.sharded, self.trained = args.fsdp, [], None  # trained: (root, optimizer)
-        set_seed(args.seed)
+        random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
         if not args.resume:  # rank 0's clock names the run
             stamp = torch.tensor([int(time.time())], device=self.device)
             if self.ddp:
@@ -1556,7 +1556,7 @@ class Run:
             print(f"resumed from step {self.start} of {args.total_steps} ({args.resume})" + "".join(
                 f"; --{k.replace('_', '-')} {new} (the run had {old})" for k, (old, new) in self.overrides.items()))
         elif self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)  # reward_model.py --comparisons writes here first
+            self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
             (self.dir / "metrics.jsonl").touch()  # (a resume reads it)
         self.bar = tqdm(total=args.total_steps, initial=self.start, unit="step", disable=not self.progress)
@@ -1596,7 +1596,7 @@ class Run:
                        config=vars(args), dir=str(self.dir), resume="allow")
             self.wandb = wandb
         every = args.eval_every or args.total_steps + 1
-        if self.start < args.total_steps and self.start % every == 0 and not self.evaluated:  # (a resume: if cut)
+        if self.start < args.total_steps and self.start % every == 0 and not self.evaluated:
             self.evaluate(measure)
         for step in range(self.start + 1, args.total_steps + 1):
             if self.stopping(save):

@@ -164,6 +164,19 @@ def test_a_copied_script_names_the_files_it_needs_in_one_line(tmp_path):
             n for n in ("`rewards.py`", "`kernels/`") if n in readme.split(f"`{script}.py`")[1].split(";")[0]], script
 
 
+def test_a_script_starts_without_the_packages_only_some_flags_need():
+    """Importing the scripts loads neither peft (LoRA, a lazy import) nor what transformers.trainer_utils pulls in
+    with it: transformers' set_seed and optimization module live there and would add about 2 s to every start (and to
+    every torchrun process), so the scripts seed random, numpy and torch themselves and reach Adafactor and
+    get_scheduler through `transformers.` when asked for."""
+    import subprocess
+
+    code = (f"import sys, {', '.join(SCRIPTS)}, capacity_ppo; "
+            "print(sorted({'peft', 'transformers.trainer_utils', 'wandb', 'matplotlib'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout == "[]\n", out.stdout + out.stderr
+
+
 def test_comparisons_that_rank_nothing_say_why_and_leave_no_run_directory(tiny, tmp_path):
     """reward_model.py --comparisons from the random model, which is never right: every sample of a prompt gets the
     same grade, so there is nothing to rank; the error says so in one line and the run directory is gone, so the same
