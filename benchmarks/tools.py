@@ -30,7 +30,7 @@ COLD_START = ["sft.py", "--model-config", "models/tiny-arith-config.json", "--to
               "data/arith/tokenizer", "--dataset-split", "sft_tools", "--max-length", "96", "--max-new-tokens", "64",
               "--total-steps", "250", "--learning-rate", "2e-3", "--warmup-steps", "25"]
 RECIPE = ["grpo.py", "--tools", "calculator", "--max-completion-length", "64", "--total-steps", "50",
-          "--warmup-steps", "5", "--learning-rate", "2e-4"]
+          "--warmup-steps", "5", "--learning-rate", "2e-4", "--max-grad-norm", "0.05"]
 
 
 @dataclass

@@ -1017,6 +1017,13 @@ def test_the_tool_recipe_as_pasted_and_a_short_tool_run_learns(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     cold, train = tool_recipe()
     assert [cold[:2], train[:2]] == [["python", "sft.py"], ["python", "grpo.py"]]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import tools  # benchmarks/tools.py measures these two commands
+
+    assert cold[1:] == [*tools.COLD_START, "--eval-every", "250", "--final-dir", "models/tiny-arith-tools"]
+    flags = lambda argv: dict(zip(argv[1::2], argv[2::2], strict=True))
+    assert flags(train[1:]) == {**flags(tools.RECIPE), "--model-name-or-path": "models/tiny-arith-tools",
+                                "--eval-every": "10"} and train[1] == tools.RECIPE[0]
     sft.main(tyro.cli(sft.Args, args=cold[2:] + "--total-steps 2 --batch-size 8 --eval-split None --warmup-steps 0 "
                                                 "--final-dir cold".split()))
     out = grpo.main(tyro.cli(grpo.Args, args=train[2:] + "--model-name-or-path cold --total-steps 1 --prompts-per-step 2 "

@@ -317,32 +317,29 @@ FSDP_SCRIPTS = SCRIPTS
 
 @pytest.mark.parametrize("script", FSDP_SCRIPTS)
 def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny, tmp_path, script, monkeypatch):
-    """torchrun on CPU (gloo, 2 processes): --fsdp takes the same 3 steps as DDP to float tolerance (both average the
-    gradients of the same rows); resumed from step 2's sharded checkpoint, step 3 again, so each process's data order
-    and RNGs come back; final/ is one safetensors model, DDP's. (A DDP resume loads whole weights, as a single
-    process's does: test_resume_equals_straight_run.) grpo and hybrid sample with the bfloat16 copy, which --fsdp
-    refreshes from its whole weights."""
+    """torchrun on CPU (gloo, 2 processes): --fsdp takes the same steps as DDP to float tolerance (both average the
+    gradients of the same rows); resumed from step 2's sharded checkpoint, its step 3 is DDP's step 3 too, so each
+    process's data order and RNGs come back; final/ is one safetensors model, DDP's. (A DDP resume loads whole
+    weights, as a single process's does: test_resume_equals_straight_run.) grpo and hybrid sample with the bfloat16
+    copy, which --fsdp refreshes from its whole weights. The three runs share one launch (tests/torchrun_runs.py)."""
     copy = {"generation_backend": "copy"} if script in ("grpo", "hybrid") else {}
-    for parallel in ("ddp", "fsdp"):
+    runs, ddp, fsdp = [], tmp_path / "ddp" / "run", tmp_path / "fsdp" / "run"
+    for parallel, run in (("ddp", ddp), ("fsdp", fsdp)):
         made = {"final_dir": tmp_path / f"made-{parallel}"} if script == "sft" else {}  # sft: whole there too
-        flags = cli(script, tiny, tmp_path / parallel, total_steps=3, eval_split=None, save_every=2, **copy, **made)[2:]
-        out = run_torchrun(f"{script}.py", *flags, *(["--fsdp"] if parallel == "fsdp" else []))
-        assert f"2 processes, {'FSDP2' if parallel == 'fsdp' else 'DDP'}" in out
-        assert "returned a view tensor" not in out  # FSDP2 warns of outputs that an in-place op could detach
-    (ddp,), (fsdp,) = (tmp_path / "ddp").iterdir(), (tmp_path / "fsdp").iterdir()
-    straight = train_rows(fsdp)
-    for a, b in zip(train_rows(ddp), straight, strict=True):
+        flags = cli(script, tiny, run.parent, total_steps=3, eval_split=None, save_every=2, run_dir=run, **copy, **made)
+        runs.append(flags[2:] + ["--fsdp"] * (parallel == "fsdp"))
+    runs.append(["--resume", str(fsdp / "checkpoints" / "step_2")])  # rows after step 2 are dropped, step 3 again
+    out = run_torchrun("tests/torchrun_runs.py", script, json.dumps(runs))
+    assert "2 processes, DDP" in out and "2 processes, FSDP2" in out
+    assert "returned a view tensor" not in out  # FSDP2 warns of outputs that an in-place op could detach
+    assert [r["step"] for r in json.loads((fsdp / "args.json").read_text())["resumed"]] == [2]
+    for a, b in zip(train_rows(ddp), train_rows(fsdp), strict=True):
         for k in (k for k in a if k.startswith(("train/", "rewards/"))):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
     assert (fsdp / "checkpoints" / "step_2" / "sharded").is_dir() and not (ddp / "checkpoints" / "step_2" / "sharded").exists()
     final = {p: tmp_path / f"made-{p}" if script == "sft" else run / "final" for p, run in (("ddp", ddp), ("fsdp", fsdp))}
     whole, reference = (load_file(final[p] / "model.safetensors") for p in ("fsdp", "ddp"))  # sft: at --final-dir
     assert whole.keys() == reference.keys() and all(torch.allclose(whole[k], reference[k], atol=1e-5) for k in whole)
-    (fsdp / "metrics.jsonl").write_text("")
-    run_torchrun(f"{script}.py", "--resume", str(fsdp / "checkpoints" / "step_2"))
-    (resumed,) = train_rows(fsdp)
-    for k in (k for k in resumed if k.startswith(("train/", "rewards/"))):
-        assert resumed[k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
     # a checkpoint of an --fsdp run without its shards is refused in the checks, before any process group or model
     incomplete = fsdp / "checkpoints" / "step_1"
     shutil.copytree(fsdp / "checkpoints" / "step_2", incomplete, ignore=shutil.ignore_patterns("sharded"))
@@ -363,11 +360,12 @@ def test_generation_backend_reaches_the_sampler(tiny, tmp_path, script, monkeypa
 
 
 def test_fsdp_benchmark_commands_run_on_cpu():
-    """benchmarks/fsdp_gpu.py's commands, at the tiny shape on gloo (its numbers are for GPUs)."""
+    """benchmarks/fsdp_gpu.py's commands, at the tiny shape on gloo, in one process as by default (its numbers are
+    for GPUs; two processes: test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fsdp_gpu
 
-    out = fsdp_gpu.main(fsdp_gpu.Args(scripts=("sft",), shape="tiny", nproc=2, steps=2))
+    out = fsdp_gpu.main(fsdp_gpu.Args(scripts=("sft",), shape="tiny", nproc=1, steps=2))
     assert out["sft"]["ddp"]["step_s"] > 0 and out["sft"]["fsdp"]["step_s"] > 0
 
 
