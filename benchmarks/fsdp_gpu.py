@@ -5,9 +5,9 @@
     python benchmarks/fsdp_gpu.py --shape tiny --steps 2  # CPU check of the commands (gloo; numbers meaningless)
 
 The model is built from a config (24 layers, 896 wide, vocabulary 151,936, random weights, no download) with the
-embedded tokenizer, as benchmarks/grpo_gpu.py does; every script runs its defaults on data/arith with evaluation off,
-once with DDP and once with --fsdp. The table gives the median of the scripts' own perf/step_s over the steps after
-the first, and the largest perf/peak_gb (rank 0's torch.cuda.max_memory_allocated; CUDA only).
+embedded tokenizer, as benchmarks/grpo_gpu.py does; every script runs its defaults on data/arith (--dataset) with
+evaluation off, once with DDP and once with --fsdp. The table gives the median of the scripts' own perf/step_s over
+the steps after the first, and the largest perf/peak_gb (rank 0's torch.cuda.max_memory_allocated; CUDA only).
 """
 import json
 import os
@@ -36,6 +36,8 @@ class Args:
     """processes (GPUs) per run"""
     steps: int = 6
     """training steps per run"""
+    dataset: str = "data/arith"
+    """every script's --dataset (a folder with their splits)"""
 
 
 def make_model(shape: str, folder: Path) -> None:
@@ -56,7 +58,8 @@ def make_model(shape: str, folder: Path) -> None:
 def run(script: str, fsdp: bool, args: Args, model: Path, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            str(ROOT / f"{script}.py"), "--model-name-or-path", str(model), "--output-dir", str(out), "--total-steps",
-           str(args.steps), "--eval-split", "None", "--log-every", "1", "--warmup-steps", "0", *(["--fsdp"] * fsdp)]
+           str(args.steps), "--eval-split", "None", "--log-every", "1", "--warmup-steps", "0", "--dataset", args.dataset,
+           *(["--fsdp"] * fsdp)]
     if script == "sft":
         cmd += ["--eval-every", "0"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

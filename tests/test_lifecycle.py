@@ -359,13 +359,13 @@ def test_generation_backend_reaches_the_sampler(tiny, tmp_path, script, monkeypa
     assert used and set(used) == {"static"}
 
 
-def test_fsdp_benchmark_commands_run_on_cpu():
-    """benchmarks/fsdp_gpu.py's commands, at the tiny shape on gloo, in one process as by default (its numbers are
-    for GPUs; two processes: test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final)."""
+def test_fsdp_benchmark_commands_run_on_cpu(tiny):
+    """benchmarks/fsdp_gpu.py's commands, at the tiny shape on gloo, in one process as by default, on the small copy
+    of the task (its numbers are for GPUs; two processes: test_fsdp_matches_ddp_resumes_from_its_shards_and_...)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fsdp_gpu
 
-    out = fsdp_gpu.main(fsdp_gpu.Args(scripts=("sft",), shape="tiny", nproc=1, steps=2))
+    out = fsdp_gpu.main(fsdp_gpu.Args(scripts=("sft",), shape="tiny", nproc=1, steps=2, dataset=str(tiny / "data")))
     assert out["sft"]["ddp"]["step_s"] > 0 and out["sft"]["fsdp"]["step_s"] > 0
 
 
