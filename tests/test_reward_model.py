@@ -737,17 +737,19 @@ def test_packed_padding_keeps_position_ids_within_a_learned_position_table(tiny)
     assert torch.allclose(packed, alone, atol=1e-5)
 
 
-def test_rlhf_pipeline_benchmark_runs_and_draws(tmp_path):
+def test_rlhf_pipeline_benchmark_runs_and_draws(tiny, tmp_path):
     """benchmarks/rlhf_pipeline.py at a tiny budget, its iterated recipe: the reward model, PPO against its spec with
     the gold reward beside, paused at step 2, a second reward model from that checkpoint's samples, PPO resumed against
-    it; the table and the picture. (The other recipes run the first two stages of the same code.)"""
+    it; the table and the picture, on the small copy of the task. (The other recipes run the first two stages of the
+    same code.)"""
     rlhf_pipeline = benchmark("rlhf_pipeline")
 
+    data = f"--dataset {tiny / 'data'} "
     rlhf_pipeline.main(rlhf_pipeline.Args(
         recipes=("iterated",), seeds=(1,), threads=1, output_dir=str(tmp_path), pause=2, plot=str(tmp_path / "p.png"),
-        rm_flags="--comparison-prompts 64 --total-steps 2 --tie-start-step 1 --batch-size 4 --micro-batch-size 2 "
-                 "--eval-limit 32",
-        ppo_flags="--total-steps 3 --prompts-per-step 8 --micro-batch-size 16 --eval-limit 8 --eval-every 0"))
+        rm_flags=data + "--comparison-prompts 64 --total-steps 2 --tie-start-step 1 --batch-size 4 "
+                        "--micro-batch-size 2 --eval-limit 32",
+        ppo_flags=data + "--total-steps 3 --prompts-per-step 8 --micro-batch-size 16 --eval-limit 8 --eval-every 0"))
     spec = json.loads((tmp_path / "iterated_1.json").read_text())
     assert spec["type"] == "reward_model" and spec["postprocess"] == rlhf_pipeline.RECIPES["iterated"][1]
     run, rm2 = (rlhf_pipeline.finished(tmp_path, name) for name in ("ppo_iterated_1", "rm2_iterated_1"))
