@@ -317,11 +317,11 @@ FSDP_SCRIPTS = SCRIPTS
 
 @pytest.mark.parametrize("script", FSDP_SCRIPTS)
 def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny, tmp_path, script, monkeypatch):
-    """torchrun on CPU (gloo, 2 processes): --fsdp takes the same steps as DDP to float tolerance (both average the
-    gradients of the same rows); resumed from step 2's sharded checkpoint, its step 3 is DDP's step 3 too, so each
-    process's data order and RNGs come back; final/ is one safetensors model, DDP's. (A DDP resume loads whole
-    weights, as a single process's does: test_resume_equals_straight_run.) grpo and hybrid sample with the bfloat16
-    copy, which --fsdp refreshes from its whole weights. The three runs share one launch (tests/torchrun_runs.py)."""
+    """torchrun on CPU (gloo, 2 processes): --fsdp takes the same 3 steps as DDP to float tolerance (both average the
+    gradients of the same rows); resumed from step 2's sharded checkpoint, step 3 again, so each process's data order
+    and RNGs come back; final/ is one safetensors model, DDP's. (A DDP resume loads whole weights, as a single
+    process's does: test_resume_equals_straight_run.) grpo and hybrid sample with the bfloat16 copy, which --fsdp
+    refreshes from its whole weights. The three runs share one launch (tests/torchrun_runs.py)."""
     copy = {"generation_backend": "copy"} if script in ("grpo", "hybrid") else {}
     runs, ddp, fsdp = [], tmp_path / "ddp" / "run", tmp_path / "fsdp" / "run"
     for parallel, run in (("ddp", ddp), ("fsdp", fsdp)):
@@ -333,9 +333,15 @@ def test_fsdp_matches_ddp_resumes_from_its_shards_and_writes_a_whole_final(tiny,
     assert "2 processes, DDP" in out and "2 processes, FSDP2" in out
     assert "returned a view tensor" not in out  # FSDP2 warns of outputs that an in-place op could detach
     assert [r["step"] for r in json.loads((fsdp / "args.json").read_text())["resumed"]] == [2]
-    for a, b in zip(train_rows(ddp), train_rows(fsdp), strict=True):
+    lines = (fsdp / "metrics.1.jsonl").read_text().splitlines()  # the straight run's, before the resume rewrote them
+    straight = [r for r in map(json.loads, lines) if "train/loss" in r]
+    for a, b in zip(train_rows(ddp), straight, strict=True):
         for k in (k for k in a if k.startswith(("train/", "rewards/"))):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    resumed = train_rows(fsdp)
+    assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[:2] == straight[:2]
+    for k in (k for k in resumed[2] if k.startswith(("train/", "rewards/"))):
+        assert resumed[2][k] == pytest.approx(straight[2][k], rel=1e-5, abs=1e-6), k
     assert (fsdp / "checkpoints" / "step_2" / "sharded").is_dir() and not (ddp / "checkpoints" / "step_2" / "sharded").exists()
     final = {p: tmp_path / f"made-{p}" if script == "sft" else run / "final" for p, run in (("ddp", ddp), ("fsdp", fsdp))}
     whole, reference = (load_file(final[p] / "model.safetensors") for p in ("fsdp", "ddp"))  # sft: at --final-dir
