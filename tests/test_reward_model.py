@@ -740,8 +740,9 @@ def test_packed_padding_keeps_position_ids_within_a_learned_position_table(tiny)
 def test_rlhf_pipeline_benchmark_runs_and_draws(tiny, tmp_path):
     """benchmarks/rlhf_pipeline.py at a tiny budget, its iterated recipe: the reward model, PPO against its spec with
     the gold reward beside, paused at step 2, a second reward model from that checkpoint's samples, PPO resumed against
-    it; the table and the picture, on the small copy of the task. (The other recipes run the first two stages of the
-    same code.)"""
+    it; the table and the picture, on the small copy of the task. The other recipes run the first two stages of the
+    same code; the default one's clipped verdict (VERDICT) is checked on the first reward model's spec: every score in
+    [-1, 0]."""
     rlhf_pipeline = benchmark("rlhf_pipeline")
 
     data = f"--dataset {tiny / 'data'} "
@@ -752,6 +753,10 @@ def test_rlhf_pipeline_benchmark_runs_and_draws(tiny, tmp_path):
         ppo_flags=data + "--total-steps 3 --prompts-per-step 8 --micro-batch-size 16 --eval-limit 8 --eval-every 0"))
     spec = json.loads((tmp_path / "iterated_1.json").read_text())
     assert spec["type"] == "reward_model" and spec["postprocess"] == rlhf_pipeline.RECIPES["iterated"][1]
+    verdict = make_reward(json.dumps({**spec, "postprocess": rlhf_pipeline.VERDICT}))
+    texts = ["<think>7+5=12</think><answer>12</answer>", "<think>7+5=13</think><answer>13</answer>", "12", "x" * 30]
+    scores = verdict(texts, prompts=["7+5="] * 4)
+    assert len(scores) == 4 and all(-1.0 <= s <= 0.0 for s in scores)
     run, rm2 = (rlhf_pipeline.finished(tmp_path, name) for name in ("ppo_iterated_1", "rm2_iterated_1"))
     rows = train_rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3] and all(0.0 <= r["rewards/gold"] <= 1.0 for r in rows)
