@@ -1083,19 +1083,17 @@ def choice_token_ids(tokenizer, choices) -> list[int]:
         raise ValueError(f"option choices must map at least two verdicts to values, e.g. {JUDGE_CHOICES}, "
                          f"got {choices!r}")
 
-    def one_token(text: str) -> bool:
-        pieces = tokenizer(text, add_special_tokens=False).input_ids
-        return len(pieces) == 1 and pieces[0] != tokenizer.unk_token_id
-
+    pieces_of = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    one_token = lambda pieces: len(pieces) == 1 and pieces[0] != tokenizer.unk_token_id
     ids = []
     for choice, value in choices.items():
         _number(f"choices[{choice!r}]", value)
-        pieces = tokenizer(choice, add_special_tokens=False).input_ids
-        if len(pieces) != 1 or pieces[0] == tokenizer.unk_token_id:
+        pieces = pieces_of(choice)
+        if not one_token(pieces):
             word = choice.strip() or choice
             spellings = dict.fromkeys([word, " " + word, word.capitalize(), " " + word.capitalize(), word.upper(),
                                        word[0], word[0].upper()])
-            single = [s for s in spellings if one_token(s)]
+            single = [s for s in spellings if one_token(pieces_of(s))]
             hint = f"here: {', '.join(map(repr, single))}" if single else "none of its spellings is"
             raise ValueError(f"choice {choice!r} is {len(pieces)} tokens of the judge's tokenizer "
                              f"{tokenizer.convert_ids_to_tokens(pieces)}, not one: spell it as one token ({hint})")
